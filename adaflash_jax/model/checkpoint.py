@@ -1,0 +1,154 @@
+"""HuggingFace checkpoint I/O for the target: config.json + safetensors (one file or shards).
+
+Weights go straight from a memory map onto their devices: with a mesh, each device reads
+only its own slice, so a large target never sits whole in one host buffer or one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+from adaflash_jax.sharding.rules import DECODE_RULES, Rules, variable_sharding
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config describes."""
+
+
+def hf_param_table(model: TargetLM) -> dict[str, tuple[nnx.Variable, bool]]:
+    """HF tensor name → (our Variable, whether HF stores it transposed as [out, in])."""
+    table: dict[str, tuple[nnx.Variable, bool]] = {
+        "model.embed_tokens.weight": (model.embed_tokens, False),
+        "model.norm.weight": (model.norm.weight, False),
+    }
+    if model.lm_head is not None:
+        table["lm_head.weight"] = (model.lm_head.kernel, True)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[f"{p}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
+        if attn.q_norm is not None:
+            table[f"{p}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
+            table[f"{p}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            table[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
+        table[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, False)
+        table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
+    return table
+
+
+def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
+    """Tensor name → the (lazily opened) file holding it, for a single or sharded checkpoint."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files: dict[str, SafetensorsFile] = {}
+        out = {}
+        for name, fname in weight_map.items():
+            fpath = os.path.join(path, fname)
+            if fname not in files:
+                if not os.path.isfile(fpath):
+                    raise FileNotFoundError(f"shard {fname} listed in {index} does not exist")
+                files[fname] = SafetensorsFile(fpath)
+            if name not in files[fname].header:
+                raise CheckpointError(f"tensor {name!r} is listed in the index but not in {fname}")
+            out[name] = files[fname]
+        return out
+    if os.path.isfile(single):
+        f = SafetensorsFile(single)
+        return {name: f for name in f.keys()}
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {path}"
+    )
+
+
+def load_target(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh: Mesh | None = None,
+    rules: Rules = DECODE_RULES,
+) -> TargetLM:
+    """Builds the model abstractly, then materialises each weight (sharded when `mesh`)."""
+    path = os.fspath(path)
+    config = TargetConfig.from_pretrained(path)
+    param_dtype = param_dtype or dtype
+    files = open_weight_files(path)
+    model = nnx.eval_shape(
+        lambda: TargetLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+    )
+    table = hf_param_table(model)
+    expected, present = set(table), set(files)
+    if config.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some exporters write the tied copy anyway
+    present = {n for n in present if not n.endswith("rotary_emb.inv_freq")}
+    if missing := sorted(expected - present):
+        raise CheckpointError(f"checkpoint {path} is missing tensors: {missing[:8]}"
+                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if unexpected := sorted(present - expected):
+        raise CheckpointError(f"checkpoint {path} has unexpected tensors: {unexpected[:8]}"
+                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+    for name, (var, transpose) in table.items():
+        f = files[name]
+        want = tuple(var.get_value().shape)
+        got = f.shape(name)
+        if (got[::-1] if transpose else got) != want:
+            hf_want = want[::-1] if transpose else want
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(got)} but config.json implies {list(hf_want)}"
+            )
+        if f.dtype(name) not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {f.dtype(name)}; expected a floating dtype"
+            )
+        var.set_value(_materialise(f.get(name), transpose, var, param_dtype, mesh, rules))
+    return model
+
+
+def _materialise(mm: np.ndarray, transpose: bool, var, param_dtype, mesh, rules) -> jax.Array:
+    view = mm.T if transpose else mm
+    np_dtype = np.dtype(param_dtype)
+    if mesh is None:
+        return jnp.asarray(np.asarray(view, dtype=np_dtype))
+    sharding = variable_sharding(var, mesh, rules)
+    read: Callable = lambda idx: np.asarray(view[idx], dtype=np_dtype)  # noqa: E731
+    return jax.make_array_from_callback(view.shape, sharding, read)
+
+
+def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None:
+    """Writes config.json + model.safetensors that `transformers` and `load_target` read."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, (var, transpose) in hf_param_table(model).items():
+        arr = np.asarray(jax.device_get(var.get_value()))
+        if dtype is not None:
+            arr = arr.astype(np.dtype(dtype))
+        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    cfg = model.config.to_hf_dict()
+    saved_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype
+    cfg["torch_dtype"] = {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        saved_dtype.name, "float32"
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -1,0 +1,213 @@
+"""The frozen target LLM: a Llama / Qwen3 dense decoder in Flax NNX (DESIGN §2).
+
+Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
+H query heads, K kv heads, Dh head dim, L layers, n feature layers.
+
+One forward serves every use: training (no cache: causal over T), prefill and extend
+(cache: T new tokens per row written at `lengths[b] + t`, causal among themselves), and
+verification (extend, then roll back by moving lengths). It can return the outputs of
+chosen decoder layers, the context features the drafter conditions on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.kv_cache import KVCache, write_rows
+from adaflash_jax.model.layers import Dense, RMSNorm, SwiGLU, attend, normal_init
+from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+
+
+@struct.dataclass
+class TargetOutput:
+    hidden_BxTxD: jax.Array  # after the final norm
+    logits_BxTxV: jax.Array | None
+    features_BxTxnD: jax.Array | None  # chosen layer outputs, concatenated in request order
+    cache: KVCache | None
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        self.q_proj = Dense(d, h * dh, logical_axes=("embed", "q_heads"), **kw)
+        self.k_proj = Dense(d, k * dh, logical_axes=("embed", "kv_heads"), **kw)
+        self.v_proj = Dense(d, k * dh, logical_axes=("embed", "kv_heads"), **kw)
+        self.o_proj = Dense(h * dh, d, logical_axes=("q_heads", "embed"), **kw)
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(dh, **norm_kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(dh, **norm_kw) if cfg.qk_norm else None
+        self.rope = (dh, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies built at trace
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, kv_cache=None):
+        b, t, _ = x_BxTxD.shape
+        q = self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(*self.rope)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        k = apply_rope(k, positions_BxT, inv_freq)
+        if kv_cache is not None:
+            k_all, v_all = write_rows(kv_cache[0], k, positions_BxT), write_rows(kv_cache[1], v, positions_BxT)
+            out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxS)
+            new_cache = (k_all, v_all)
+        else:
+            out = attend(q, k, v, mask_BxTxS)
+            new_cache = None
+        return self.o_proj(out.reshape(b, t, -1)), new_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
+        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
+        self.mlp = SwiGLU(
+            cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
+
+    def __call__(self, x, positions, mask, kv_cache=None):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+class TargetLM(nnx.Module):
+    def __init__(
+        self,
+        config: TargetConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(
+            normal_init(rngs, (config.vocab_size, config.hidden_size), param_dtype),
+            logical_axes=("vocab", "embed"),
+        )
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Dense(
+                config.hidden_size,
+                config.vocab_size,
+                logical_axes=("embed", "vocab"),
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+        )
+
+    # ---- frozen pieces the drafter borrows (passed to it as arrays, never stored) ----------
+    def embedding_VxD(self) -> jax.Array:
+        return self.embed_tokens[...]
+
+    def lm_head_DxV(self) -> jax.Array:
+        if self.lm_head is None:
+            return self.embed_tokens[...].T
+        return self.lm_head.kernel[...]
+
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+
+    def logits(self, hidden_BxTxD):
+        return jnp.dot(hidden_BxTxD.astype(self.dtype), self.lm_head_DxV().astype(self.dtype))
+
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        cfg = self.config
+        return KVCache.create(
+            num_layers=cfg.num_hidden_layers,
+            batch=batch,
+            capacity=capacity,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype or self.dtype,
+        )
+
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        *,
+        cache: KVCache | None = None,
+        positions_BxT: jax.Array | None = None,
+        num_new_B: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        feature_layers: Sequence[int] = (),
+        compute_logits: bool = True,
+    ) -> TargetOutput:
+        """Runs T new tokens per row.
+
+        Without a cache the tokens attend causally to each other (training). With a cache,
+        row b's tokens sit at positions `cache.lengths[b] + t`, see every cached token before
+        them, and the returned cache has `lengths + num_new_B` (default T): padding past
+        `num_new_B[b]` is written but left uncommitted.
+        """
+        b, t = tokens_BxT.shape
+        feature_layers = tuple(feature_layers)
+        for i in feature_layers:
+            if not 0 <= i < self.config.num_hidden_layers:
+                raise ValueError(
+                    f"feature layer {i} is outside the target's "
+                    f"{self.config.num_hidden_layers} layers"
+                )
+        if cache is not None:
+            positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
+            mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
+        else:
+            if positions_BxT is None:
+                positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            mask_BxTxS = positions_BxT[:, None, :] <= positions_BxT[:, :, None]
+            if segment_ids_BxT is not None:
+                mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
+
+        x = self.embed(tokens_BxT)
+        features = {}
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+            x, updated = layer(x, positions_BxT, mask_BxTxS, layer_cache)
+            if updated is not None:
+                new_k.append(updated[0])
+                new_v.append(updated[1])
+            if i in feature_layers:
+                features[i] = x
+        hidden = self.norm(x)
+        new_cache = None
+        if cache is not None:
+            advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+            new_cache = KVCache(
+                k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + advance.astype(jnp.int32)
+            )
+        feats = (
+            jnp.concatenate([features[i] for i in feature_layers], axis=-1)
+            if feature_layers
+            else None
+        )
+        return TargetOutput(
+            hidden_BxTxD=hidden,
+            logits_BxTxV=self.logits(hidden) if compute_logits else None,
+            features_BxTxnD=feats,
+            cache=new_cache,
+        )
