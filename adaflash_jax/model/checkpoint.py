@@ -47,7 +47,10 @@ def hf_param_table(model: TargetLM) -> dict[str, tuple[nnx.Variable, bool]]:
         for name in ("gate_proj", "up_proj", "down_proj"):
             table[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
         table[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, False)
-        table[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
+        table[f"{p}post_attention_layernorm.weight"] = (
+            layer.post_attention_layernorm.weight,
+            False,
+        )
     return table
 
 
@@ -75,9 +78,7 @@ def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
     if os.path.isfile(single):
         f = SafetensorsFile(single)
         return {name: f for name in f.keys()}
-    raise FileNotFoundError(
-        f"no model.safetensors or model.safetensors.index.json in {path}"
-    )
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
 def load_target(
@@ -102,11 +103,15 @@ def load_target(
         present.discard("lm_head.weight")  # some exporters write the tied copy anyway
     present = {n for n in present if not n.endswith("rotary_emb.inv_freq")}
     if missing := sorted(expected - present):
-        raise CheckpointError(f"checkpoint {path} is missing tensors: {missing[:8]}"
-                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        raise CheckpointError(
+            f"checkpoint {path} is missing tensors: {missing[:8]}"
+            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        )
     if unexpected := sorted(present - expected):
-        raise CheckpointError(f"checkpoint {path} has unexpected tensors: {unexpected[:8]}"
-                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+        raise CheckpointError(
+            f"checkpoint {path} has unexpected tensors: {unexpected[:8]}"
+            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        )
     for name, (var, transpose) in table.items():
         f = files[name]
         want = tuple(var.get_value().shape)

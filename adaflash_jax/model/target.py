@@ -34,7 +34,12 @@ class TargetOutput:
 class Attention(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, h, k, dh = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
         self.q_proj = Dense(d, h * dh, logical_axes=("embed", "q_heads"), **kw)
         self.k_proj = Dense(d, k * dh, logical_axes=("embed", "kv_heads"), **kw)
@@ -56,7 +61,10 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
         if kv_cache is not None:
-            k_all, v_all = write_rows(kv_cache[0], k, positions_BxT), write_rows(kv_cache[1], v, positions_BxT)
+            k_all, v_all = (
+                write_rows(kv_cache[0], k, positions_BxT),
+                write_rows(kv_cache[1], v, positions_BxT),
+            )
             out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxS)
             new_cache = (k_all, v_all)
         else:
