@@ -1,0 +1,1 @@
+"""The DFlash block-diffusion drafter, its AdaFlash length head, and their on-disk format."""

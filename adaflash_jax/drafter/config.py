@@ -1,0 +1,134 @@
+"""Drafter and length-head configuration (DESIGN §3, §4.3, §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from adaflash_jax.model.config import ConfigError, RopeScaling, TargetConfig
+
+# Block sizes the decayed-CE schedule is defined for (DESIGN §4.1); others fall back to K/2.
+LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LengthHeadConfig:
+    """The reference "two-model" head: mean+last block state → 256 → residual → sigmoid."""
+
+    bottleneck_dim: int = 256
+
+    def __post_init__(self):
+        if self.bottleneck_dim <= 0:
+            raise ConfigError(f"length head bottleneck_dim must be positive: {self.bottleneck_dim}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int = 5
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    vocab_size: int
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    length_head: LengthHeadConfig | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be at least 2, got {self.block_size}")
+        if self.num_hidden_layers < 1:
+            raise ConfigError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids must name at least one target layer")
+        for i in self.target_layer_ids:
+            if not 0 <= i < self.num_target_layers:
+                raise ConfigError(
+                    f"target layer id {i} is outside the target's {self.num_target_layers} layers"
+                )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the vocab (size {self.vocab_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def loss_gamma(self) -> float:
+        return LOSS_GAMMA.get(self.block_size, self.block_size / 2)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TargetConfig,
+        *,
+        mask_token_id: int,
+        num_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: tuple[int, ...] | None = None,
+        num_features: int = 5,
+        length_head: bool = True,
+    ) -> DrafterConfig:
+        """A drafter shaped like its target (DFlash: same width and heads as the target)."""
+        if target_layer_ids is None:
+            target_layer_ids = target.default_feature_layers(num_features)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            block_size=block_size,
+            target_layer_ids=tuple(target_layer_ids),
+            num_target_layers=target.num_hidden_layers,
+            mask_token_id=mask_token_id,
+            length_head=LengthHeadConfig() if length_head else None,
+        )
+
+    def validate_against(self, target: TargetConfig) -> None:
+        """Fails with a message naming the mismatch when this drafter cannot serve `target`."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"drafter hidden_size {self.hidden_size} != target hidden_size "
+                f"{target.hidden_size}: the drafter reads the target's embeddings and features"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"drafter vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
+                f"table (vocab {target.vocab_size})"
+            )
+        if self.num_target_layers != target.num_hidden_layers:
+            raise ConfigError(
+                f"drafter was built for a {self.num_target_layers}-layer target, "
+                f"this target has {target.num_hidden_layers} layers"
+            )
+        for i in self.target_layer_ids:
+            if not 0 <= i < target.num_hidden_layers:
+                raise ConfigError(
+                    f"target layer id {i} does not exist in the target "
+                    f"({target.num_hidden_layers} layers)"
+                )

@@ -1,0 +1,69 @@
+"""Builds an untrained drafter (with its length head) for a target checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from flax import nnx
+
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.model.config import ConfigError, TargetConfig
+
+MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+
+
+def find_mask_token_id(target_dir: str | os.PathLike) -> int | None:
+    """The target tokenizer's reserved mask token, if it declares one."""
+    tok_path = os.path.join(os.fspath(target_dir), "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    cfg_path = os.path.join(os.fspath(target_dir), "tokenizer_config.json")
+    names = list(MASK_TOKEN_NAMES)
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            declared = json.load(f).get("mask_token")
+        if isinstance(declared, dict):
+            declared = declared.get("content")
+        if declared:
+            names.insert(0, declared)
+    with open(tok_path) as f:
+        added = json.load(f).get("added_tokens", [])
+    by_name = {t["content"]: t["id"] for t in added}
+    for name in names:
+        if name in by_name:
+            return int(by_name[name])
+    return None
+
+
+def drafter_for_target(
+    target_dir: str | os.PathLike,
+    *,
+    num_layers: int = 5,
+    block_size: int = 16,
+    num_features: int = 5,
+    target_layer_ids: tuple[int, ...] | None = None,
+    mask_token_id: int | None = None,
+    length_head: bool = True,
+    seed: int = 0,
+) -> Drafter:
+    target = TargetConfig.from_pretrained(target_dir)
+    if mask_token_id is None:
+        mask_token_id = find_mask_token_id(target_dir)
+    if mask_token_id is None:
+        raise ConfigError(
+            f"the tokenizer in {target_dir} declares no mask token; pass mask_token_id "
+            "(a spare row of the target's embedding table)"
+        )
+    cfg = DrafterConfig.for_target(
+        target,
+        mask_token_id=mask_token_id,
+        num_layers=num_layers,
+        block_size=block_size,
+        num_features=num_features,
+        target_layer_ids=target_layer_ids,
+        length_head=length_head,
+    )
+    cfg.validate_against(target)
+    return Drafter(cfg, rngs=nnx.Rngs(seed))

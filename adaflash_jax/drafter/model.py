@@ -1,0 +1,189 @@
+"""DFlash block-diffusion drafter in Flax NNX (DESIGN §3).
+
+Dimensions: B batch, C context slots, N blocks per sequence, K block size, S training
+sequence length, D model, nD concatenated target features, V vocab, H/Kv heads, Dh head dim.
+
+The drafter owns no embedding and no LM head: the target's frozen tables are passed in as
+arrays (`embedding_VxD`, `lm_head_DxV`) on every call. Target features are fused once per
+committed token (`fc` → `hidden_norm`) and injected as extra keys/values into every layer;
+the fused context skips each layer's input norm and MLP. Queries come from the block only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from adaflash_jax.drafter import masks
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.length_head import LengthHead
+from adaflash_jax.model.kv_cache import KVCache, write_rows
+from adaflash_jax.model.layers import Dense, RMSNorm, SwiGLU, attend
+from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+
+
+@struct.dataclass
+class DraftOutput:
+    hidden_BxKxD: jax.Array  # final-normed block states (length-head input)
+    logits_BxKm1xV: jax.Array  # predictions for block positions 1..K-1
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        d, h, kv, dh = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dh
+        self.q_proj = Dense(d, h * dh, logical_axes=("embed", "q_heads"), **kw)
+        self.k_proj = Dense(d, kv * dh, logical_axes=("embed", "kv_heads"), **kw)
+        self.v_proj = Dense(d, kv * dh, logical_axes=("embed", "kv_heads"), **kw)
+        self.o_proj = Dense(h * dh, d, logical_axes=("q_heads", "embed"), **kw)
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(dh, **norm_kw)
+        self.k_norm = RMSNorm(dh, **norm_kw)
+        self.rope = (dh, cfg.rope_theta, cfg.rope_scaling)
+
+    def keys_values(self, x_BxTxD, positions_BxT):
+        """Normed, rotated keys and values of any token stream (context or block)."""
+        b, t, _ = x_BxTxD.shape
+        k = self.k_norm(self.k_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, positions_BxT, inverse_frequencies(*self.rope)), v
+
+    def __call__(self, x_BxTxD, positions_BxT, ctx_k, ctx_v, mask_BxTx_CT):
+        b, t, _ = x_BxTxD.shape
+        q = self.q_norm(self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim))
+        q = apply_rope(q, positions_BxT, inverse_frequencies(*self.rope))
+        blk_k, blk_v = self.keys_values(x_BxTxD, positions_BxT)
+        k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=1)
+        v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=1)
+        return self.o_proj(attend(q, k, v, mask_BxTx_CT).reshape(b, t, -1))
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs, dtype, param_dtype):
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
+        self.self_attn = DrafterAttention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
+        self.mlp = SwiGLU(
+            cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
+
+    def __call__(self, x, positions, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nnx.Module):
+    def __init__(
+        self, config: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
+    ):
+        self.config = config
+        self.dtype = dtype
+        d = config.hidden_size
+        self.fc = Dense(
+            config.num_features * d,
+            d,
+            logical_axes=("features", "embed"),
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        self.hidden_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.layers = nnx.List(
+            [
+                DrafterLayer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.length_head = (
+            LengthHead(d, config.length_head, rngs=rngs) if config.length_head else None
+        )
+
+    # ---- context ---------------------------------------------------------------------------
+    def fuse(self, features_BxTxnD):
+        """Target features of committed tokens → one context vector per token."""
+        return self.hidden_norm(self.fc(features_BxTxnD))
+
+    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        cfg = self.config
+        return KVCache.create(
+            num_layers=cfg.num_hidden_layers,
+            batch=batch,
+            capacity=capacity,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype or self.dtype,
+        )
+
+    def append_context(self, cache: KVCache, features_BxTxnD, num_new_B=None) -> KVCache:
+        """Projects newly committed tokens' features into every layer's context K/V.
+
+        Entries past `num_new_B[b]` are written but not committed (stale slots are masked).
+        """
+        b, t, _ = features_BxTxnD.shape
+        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        ctx_BxTxD = self.fuse(features_BxTxnD)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx_BxTxD, positions_BxT)
+            new_k.append(write_rows(cache.k[i], k, positions_BxT))
+            new_v.append(write_rows(cache.v[i], v, positions_BxT))
+        advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+        return KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + advance)
+
+    # ---- serving: one block per row --------------------------------------------------------
+    def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
+        """Drafts K−1 tokens after each row's last committed token, in one forward pass.
+
+        The bonus token sits at position `cache.lengths[b]`: the context holds features of
+        every committed token before it.
+        """
+        cfg = self.config
+        b, k = bonus_B.shape[0], cfg.block_size
+        block_BxK = jnp.concatenate(
+            [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
+        )
+        positions_BxK = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+        mask = masks.decode_mask(cache.lengths, cache.capacity, k)
+        x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions_BxK, cache.k[i], cache.v[i], mask)
+        hidden_BxKxD = self.norm(x)
+        logits = jnp.dot(hidden_BxKxD[:, 1:], lm_head_DxV.astype(self.dtype))
+        return DraftOutput(hidden_BxKxD=hidden_BxKxD, logits_BxKm1xV=logits)
+
+    # ---- training: N blocks per sequence in one forward ------------------------------------
+    def train_hidden(self, features_BxSxnD, tokens_BxS, anchors_BxN, valid_BxN, embedding_VxD):
+        """Final-normed block states [B, N, K, D] for blocks anchored at `anchors_BxN`.
+
+        Block n starts with the token at its anchor and sees target features strictly before
+        the anchor; blocks never see each other (DESIGN §3).
+        """
+        cfg = self.config
+        b, s, _ = features_BxSxnD.shape
+        n, k = anchors_BxN.shape[1], cfg.block_size
+        ctx_BxSxD = self.fuse(features_BxSxnD)
+        ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        first_BxN = jnp.take_along_axis(tokens_BxS, anchors_BxN, axis=1)
+        block_BxNxK = jnp.concatenate(
+            [first_BxN[..., None], jnp.full((b, n, k - 1), cfg.mask_token_id, tokens_BxS.dtype)],
+            axis=-1,
+        )
+        positions_BxNK = (anchors_BxN[..., None] + jnp.arange(k, dtype=jnp.int32)).reshape(b, n * k)
+        mask = masks.train_mask(anchors_BxN, valid_BxN, s, k)
+        x = jnp.take(embedding_VxD, block_BxNxK.reshape(b, n * k), axis=0).astype(self.dtype)
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.keys_values(ctx_BxSxD, ctx_pos_BxS)
+            x = layer(x, positions_BxNK, ctx_k, ctx_v, mask)
+        return self.norm(x).reshape(b, n, k, -1)
+
+    def logits(self, hidden, lm_head_DxV):
+        return jnp.dot(hidden.astype(self.dtype), lm_head_DxV.astype(self.dtype))

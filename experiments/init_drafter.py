@@ -1,0 +1,49 @@
+"""Writes an untrained DFlash/AdaFlash drafter for a target.
+
+python -m experiments.init_drafter --target DIR --out DIR [--layers N] [--block-size K]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax.numpy as jnp
+
+from adaflash_jax.drafter.checkpoint import save_drafter
+from adaflash_jax.drafter.init import drafter_for_target
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", required=True, help="HF target directory")
+    p.add_argument("--out", required=True, help="where to write the drafter export")
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-features", type=int, default=5, help="target layers to read")
+    p.add_argument("--target-layer-ids", default=None, help="comma list; default: DESIGN §2")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--no-length-head", action="store_true")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    ids = tuple(int(x) for x in a.target_layer_ids.split(",")) if a.target_layer_ids else None
+    drafter = drafter_for_target(
+        a.target,
+        num_layers=a.layers,
+        block_size=a.block_size,
+        num_features=a.num_features,
+        target_layer_ids=ids,
+        mask_token_id=a.mask_token_id,
+        length_head=not a.no_length_head,
+        seed=a.seed,
+    )
+    save_drafter(drafter, a.out, dtype=getattr(jnp, a.dtype))
+    cfg = drafter.config
+    print(
+        f"wrote drafter to {a.out}: {cfg.num_hidden_layers} layers, block {cfg.block_size}, "
+        f"target layers {list(cfg.target_layer_ids)}, mask token {cfg.mask_token_id}"
+    )
+
+
+if __name__ == "__main__":
+    main()

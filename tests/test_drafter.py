@@ -1,0 +1,138 @@
+"""Drafter: block masks, serving path == training path, length head, feature-layer defaults."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.drafter import masks
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.length_head import length_label, verify_length
+from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.target import TargetLM
+
+TARGET = TargetConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = TargetLM(TARGET, rngs=nnx.Rngs(0))
+    cfg = DrafterConfig.for_target(
+        TARGET, mask_token_id=95, num_layers=2, block_size=4, num_features=3
+    )
+    return target, Drafter(cfg, rngs=nnx.Rngs(1))
+
+
+def test_default_feature_layers_follow_design_formula():
+    cfg36 = TargetConfig(**{**TARGET.__dict__, "num_hidden_layers": 36})
+    assert cfg36.default_feature_layers(5) == (1, 9, 17, 25, 33)
+    assert cfg36.default_feature_layers(1) == (18,)
+    assert TARGET.default_feature_layers(3) == (1, 2, 3)
+
+
+def test_decode_mask_truth_table():
+    m = np.asarray(masks.decode_mask(jnp.array([2, 0]), context_capacity=3, block_size=2))
+    # row 0: context slots 0,1 visible, slot 2 (stale) hidden; block fully visible both ways
+    assert m[0].tolist() == [[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]]
+    # row 1: empty context
+    assert m[1].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+
+
+def test_train_mask_truth_table():
+    anchors = jnp.array([[1, 3]])
+    valid = jnp.array([[True, False]])
+    m = np.asarray(masks.train_mask(anchors, valid, seq_len=4, block_size=2)).astype(int)
+    expected = [
+        # ctx 0..3   block0 block1
+        [1, 0, 0, 0, 1, 1, 0, 0],  # block 0 (anchor 1) sees context strictly before 1
+        [1, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 1, 1],  # block 1 is padding: sees only itself
+        [0, 0, 0, 0, 0, 0, 1, 1],
+    ]
+    assert m[0].tolist() == expected
+
+
+def test_serving_draft_equals_training_blocks(models):
+    """Each training block equals the serving path with the same context, bitwise-close."""
+    target, drafter = models
+    cfg = drafter.config
+    tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, 90)
+    feats = target(tokens, feature_layers=cfg.target_layer_ids).features_BxTxnD
+    anchors = jnp.array([[3, 9, 5], [1, 7, 10]])
+    hidden = drafter.train_hidden(
+        feats, tokens, anchors, jnp.ones((2, 3), bool), target.embedding_VxD()
+    )
+    for j in range(anchors.shape[1]):
+        a_B = anchors[:, j]
+        cache = drafter.init_context_cache(2, 16)
+        cache = drafter.append_context(cache, feats, num_new_B=a_B)  # ragged: features[:a]
+        bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
+        out = drafter.draft(cache, bonus, target.embedding_VxD(), target.lm_head_DxV())
+        np.testing.assert_allclose(out.hidden_BxKxD, hidden[:, j], atol=1e-5)
+        want_logits = drafter.logits(hidden[:, j, 1:], target.lm_head_DxV())
+        np.testing.assert_allclose(out.logits_BxKm1xV, want_logits, atol=1e-4)
+
+
+def test_incremental_context_equals_one_shot(models):
+    target, drafter = models
+    feats = jax.random.normal(jax.random.key(4), (1, 9, 3 * 32))
+    bonus = jnp.array([7])
+    one = drafter.append_context(drafter.init_context_cache(1, 12), feats)
+    inc = drafter.init_context_cache(1, 12)
+    for lo, hi in ((0, 4), (4, 5), (5, 9)):
+        inc = drafter.append_context(inc, feats[:, lo:hi])
+    a = drafter.draft(one, bonus, target.embedding_VxD(), target.lm_head_DxV())
+    b = drafter.draft(inc, bonus, target.embedding_VxD(), target.lm_head_DxV())
+    np.testing.assert_allclose(a.logits_BxKm1xV, b.logits_BxKm1xV, atol=1e-5)
+
+
+def test_draft_ignores_stale_context(models):
+    """Rolled-back context entries (past `lengths`) must not change the draft."""
+    target, drafter = models
+    feats = jax.random.normal(jax.random.key(5), (1, 8, 3 * 32))
+    cache = drafter.append_context(drafter.init_context_cache(1, 12), feats)
+    short = cache.with_lengths(jnp.array([5]))
+    clean = drafter.append_context(drafter.init_context_cache(1, 12), feats[:, :5])
+    emb, head = target.embedding_VxD(), target.lm_head_DxV()
+    np.testing.assert_allclose(
+        drafter.draft(short, jnp.array([3]), emb, head).logits_BxKm1xV,
+        drafter.draft(clean, jnp.array([3]), emb, head).logits_BxKm1xV,
+        atol=1e-5,
+    )
+
+
+def test_length_head_rule_and_label(models):
+    _, drafter = models
+    r = drafter.length_head(jax.random.normal(jax.random.key(6), (3, 4, 32)))
+    assert r.shape == (3,) and bool(jnp.all((r > 0) & (r < 1)))
+    assert length_label(jnp.array([0, 3, 15]), 16).tolist() == [1 / 16, 4 / 16, 1.0]
+    assert verify_length(jnp.array([0.0, 0.25, 0.99]), 16).tolist() == [1, 5, 16]
+
+
+def test_drafter_config_rejects_bad_fields():
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        DrafterConfig.for_target(TARGET, mask_token_id=96)
+    with pytest.raises(ConfigError, match="target layer id 6"):
+        DrafterConfig.for_target(TARGET, mask_token_id=1, target_layer_ids=(1, 6))
+    with pytest.raises(ConfigError, match="block_size"):
+        DrafterConfig.for_target(TARGET, mask_token_id=1, block_size=1)
+    cfg = DrafterConfig.for_target(TARGET, mask_token_id=1)
+    other = TargetConfig(**{**TARGET.__dict__, "hidden_size": 64})
+    with pytest.raises(ConfigError, match="hidden_size"):
+        cfg.validate_against(other)
+    small_vocab = TargetConfig(**{**TARGET.__dict__, "vocab_size": 50})
+    with pytest.raises(ConfigError, match="vocab"):
+        cfg.validate_against(small_vocab)
+    shallow = TargetConfig(**{**TARGET.__dict__, "num_hidden_layers": 3})
+    with pytest.raises(ConfigError, match="layer"):
+        cfg.validate_against(shallow)

@@ -1,0 +1,198 @@
+"""Drafter export format (DESIGN §6): round trip, published-checkpoint import, bad input."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.drafter.checkpoint import HEAD_PREFIX, load_drafter, save_drafter
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
+from adaflash_jax.model.checkpoint import CheckpointError, save_target
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+from experiments import init_drafter
+
+TARGET = TargetConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+
+
+def _drafter(head=True):
+    cfg = DrafterConfig.for_target(
+        TARGET, mask_token_id=63, num_layers=2, block_size=4, num_features=2, length_head=head
+    )
+    return Drafter(cfg, rngs=nnx.Rngs(0))
+
+
+def _leaves(model):
+    return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+def test_round_trip_is_bitwise_and_drafts_identically(tmp_path):
+    drafter = _drafter()
+    save_drafter(drafter, tmp_path, dtype=None)
+    loaded = load_drafter(tmp_path)
+    assert loaded.config == drafter.config
+    for a, b in zip(_leaves(drafter), _leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    emb = jax.random.normal(jax.random.key(1), (64, 32))
+    feats = jax.random.normal(jax.random.key(2), (2, 5, 64))
+    outs = []
+    for d in (drafter, loaded):
+        cache = d.append_context(d.init_context_cache(2, 8), feats)
+        outs.append(d.draft(cache, jnp.array([1, 2]), emb, emb.T).logits_BxKm1xV)
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def test_export_layout_names_and_config(tmp_path):
+    save_drafter(_drafter(), tmp_path)  # bf16 by default
+    f = SafetensorsFile(tmp_path / "model.safetensors")
+    keys = set(f.keys())
+    assert "fc.weight" in keys and f.shape("fc.weight") == (32, 64)  # [out, in]
+    assert f.shape("layers.0.self_attn.k_proj.weight") == (16, 32)
+    assert f.shape(HEAD_PREFIX + "down.weight") == (256, 64)
+    assert f.shape(HEAD_PREFIX + "res.0.weight") == (256, 256)
+    assert f.shape(HEAD_PREFIX + "out.bias") == (1,)
+    assert not any(k.startswith("model.") or "embed" in k or "lm_head" in k for k in keys)
+    assert str(f.dtype("fc.weight")) == "bfloat16"
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert cfg["dflash_config"]["use_thresh_head_two_model"] is True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4]
+    # bf16 export reloads to the bf16-rounded weights exactly
+    loaded = load_drafter(tmp_path)
+    want = np.asarray(_drafter().fc.kernel[...]).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded.fc.kernel[...]), want)
+
+
+def test_imports_published_dflash_checkpoint_without_head(tmp_path):
+    """Published drafters (bigger shapes, bf16, no length head) load; a fresh head is added."""
+    import torch
+    from safetensors.torch import save_file as torch_save
+
+    d, heads, kv, hd, inter, layers, n_feat = 128, 4, 2, 32, 256, 2, 5
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    t = {"fc.weight": w(d, n_feat * d), "hidden_norm.weight": w(d), "norm.weight": w(d)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t |= {
+            p + "input_layernorm.weight": w(d),
+            p + "post_attention_layernorm.weight": w(d),
+            p + "self_attn.q_proj.weight": w(heads * hd, d),
+            p + "self_attn.k_proj.weight": w(kv * hd, d),
+            p + "self_attn.v_proj.weight": w(kv * hd, d),
+            p + "self_attn.o_proj.weight": w(d, heads * hd),
+            p + "self_attn.q_norm.weight": w(hd),
+            p + "self_attn.k_norm.weight": w(hd),
+            p + "mlp.gate_proj.weight": w(inter, d),
+            p + "mlp.up_proj.weight": w(inter, d),
+            p + "mlp.down_proj.weight": w(d, inter),
+        }
+    torch_save(t, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 9, 17, 25, 33]},
+        "num_target_layers": 36,
+        "hidden_size": d,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 40960,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plain = load_drafter(tmp_path)
+    assert plain.length_head is None and plain.config.block_size == 16
+    q = t["layers.1.self_attn.q_proj.weight"].float().numpy()
+    np.testing.assert_array_equal(np.asarray(plain.layers[1].self_attn.q_proj.kernel[...]), q.T)
+    with_head = load_drafter(tmp_path, with_length_head=True)
+    assert with_head.length_head is not None
+    assert with_head.length_head.down.kernel[...].shape == (2 * d, 256)
+
+
+def test_bad_drafter_directories(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(tmp_path / "nope")
+    save_drafter(_drafter(head=False), tmp_path / "ok", dtype=None)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        os.makedirs(tmp_path / "noconfig")
+        (tmp_path / "noconfig" / "model.safetensors").write_bytes(
+            (tmp_path / "ok" / "model.safetensors").read_bytes()
+        )
+        load_drafter(tmp_path / "noconfig")
+    f = SafetensorsFile(tmp_path / "ok" / "model.safetensors")
+    tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
+    cfg_text = (tmp_path / "ok" / "config.json").read_text()
+    for name, mutate, msg in (
+        ("missing", lambda t: t.pop("norm.weight"), "missing tensors.*norm.weight"),
+        ("extra", lambda t: t.update({"bogus.weight": np.zeros(2, np.float32)}), "unexpected"),
+        ("shape", lambda t: t.update({"fc.weight": np.zeros((32, 32), np.float32)}), "shape"),
+    ):
+        bad = dict(tensors)
+        mutate(bad)
+        os.makedirs(tmp_path / name)
+        save_file(bad, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(cfg_text)
+        with pytest.raises(CheckpointError, match=msg):
+            load_drafter(tmp_path / name)
+
+
+def test_export_refuses_nan_weights(tmp_path):
+    drafter = _drafter()
+    drafter.norm.weight.set_value(drafter.norm.weight[...].at[0].set(jnp.nan))
+    with pytest.raises(ValueError, match="norm.weight"):
+        save_drafter(drafter, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_init_drafter_cli(tmp_path):
+    target = TargetLM(TARGET, rngs=nnx.Rngs(0))
+    save_target(target, tmp_path / "target")
+    init_drafter.main(
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--out",
+            str(tmp_path / "d"),
+            "--layers",
+            "2",
+            "--block-size",
+            "8",
+            "--mask-token-id",
+            "63",
+        ]  # fmt: skip
+    )
+    d = load_drafter(tmp_path / "d")
+    assert d.config.block_size == 8 and d.config.target_layer_ids == (1, 2, 3)
+    assert d.config.num_hidden_layers == 2 and d.length_head is not None
+    with pytest.raises(ValueError, match="mask token"):
+        init_drafter.main(["--target", str(tmp_path / "target"), "--out", str(tmp_path / "e")])
