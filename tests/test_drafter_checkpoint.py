@@ -189,7 +189,9 @@ def test_init_drafter_cli(tmp_path):
             "8",
             "--mask-token-id",
             "63",
-        ]  # fmt: skip
+            "--num-features",
+            "3",
+        ]
     )
     d = load_drafter(tmp_path / "d")
     assert d.config.block_size == 8 and d.config.target_layer_ids == (1, 2, 3)
