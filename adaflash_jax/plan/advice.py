@@ -1,0 +1,145 @@
+"""Which knob to turn when a plan does not fit, and which mesh to pick for a slice.
+
+Every suggestion is a re-run of `estimate` with one knob changed, so the advice states the
+resulting peak rather than a rule of thumb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.plan.inputs import PlanInputs
+from adaflash_jax.plan.memory_estimate import GIB, MemoryPlan, estimate
+
+# HBM per chip as Google documents it (16 GB v5e, 95 GB v5p, 32 GB v6e), read as GiB; the
+# planner's headroom absorbs the runtime's own reservation.
+CHIP_HBM_GIB = {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    knob: str
+    change: str
+    peak_bytes: int
+
+
+def mesh_candidates(inp: PlanInputs, devices: int) -> list[tuple[int, int, int]]:
+    """(data, fsdp, tensor) factorizations of `devices` the batch can be split over; tensor
+    only up to the query heads and only where it divides them."""
+    out = []
+    heads = inp.target.num_attention_heads
+    for t in range(1, devices + 1):
+        if devices % t or heads % t:
+            continue
+        for f in range(1, devices // t + 1):
+            if (devices // t) % f:
+                continue
+            d = devices // (t * f)
+            shards = d * f
+            if inp.batch_size % shards or inp.slots % shards:
+                continue
+            out.append((d, f, t))
+    return out
+
+
+def choose_mesh(inp: PlanInputs, devices: int, hbm_bytes: float, headroom: float = 0.1):
+    """The fitting mesh with the smallest tensor axis, then the most data parallelism (fewest
+    collectives); if nothing fits, the mesh with the lowest peak. Returns (plan, fits)."""
+    best = None
+    for mesh in mesh_candidates(inp, devices):
+        plan = estimate(inp.replace(mesh=mesh))
+        fits = plan.fits(hbm_bytes, headroom)
+        key = (not fits, mesh[2], -mesh[0], plan.peak_bytes) if fits else (True, plan.peak_bytes)
+        if best is None or key < best[0]:
+            best = (key, plan, fits)
+    if best is None:
+        raise ConfigError(
+            f"no (data, fsdp, tensor) mesh of {devices} devices divides batch_size "
+            f"{inp.batch_size} and collect_slots {inp.slots}"
+        )
+    return best[1], best[2]
+
+
+def _halvings(value: int, floor: int = 1):
+    v = value // 2
+    while v >= floor:
+        yield v
+        v //= 2
+
+
+def suggest(plan: MemoryPlan, hbm_bytes: float, headroom: float = 0.1) -> list[Suggestion]:
+    """Single-knob changes that make `plan` fit, least disruptive first."""
+    inp = plan.inputs
+    out: list[Suggestion] = []
+
+    def first_fit(knob: str, values, make, describe):
+        for v in values:
+            try:
+                cand = estimate(make(v))
+            except ConfigError:
+                continue
+            if cand.fits(hbm_bytes, headroom):
+                out.append(Suggestion(knob, describe(v), cand.peak_bytes))
+                return
+
+    for mesh in mesh_candidates(inp, inp.devices):
+        if mesh == inp.mesh:
+            continue
+        cand = estimate(inp.replace(mesh=mesh))
+        if cand.fits(hbm_bytes, headroom):
+            out.append(Suggestion("mesh", f"mesh {inp.mesh} -> {mesh}", cand.peak_bytes))
+    out.sort(key=lambda s: s.peak_bytes)
+    del out[3:]  # the three roomiest meshes are enough
+    if not inp.remat:
+        first_fit("remat", [True], lambda v: inp.replace(remat=v), lambda v: "remat=True")
+    n = inp.num_anchors
+    chunk = inp.logits_chunk or n
+    first_fit(
+        "logits_chunk",
+        _halvings(chunk),
+        lambda v: inp.replace(logits_chunk=v),
+        lambda v: f"logits_chunk {chunk} -> {v} (anchors whose logits are live at once)",
+    )
+    first_fit(
+        "num_anchors",
+        _halvings(n),
+        lambda v: inp.replace(num_anchors=v),
+        lambda v: f"num_anchors {n} -> {v}",
+    )
+    first_fit(
+        "batch_size",
+        _halvings(inp.batch_size, inp.batch_shards),
+        lambda v: inp.replace(batch_size=v, collect_slots=min(inp.slots, v)),
+        lambda v: f"batch_size {inp.batch_size} -> {v}",
+    )
+    first_fit(
+        "collect_slots",
+        _halvings(inp.slots, inp.collect_shards),
+        lambda v: inp.replace(collect_slots=v),
+        lambda v: f"collect_slots {inp.slots} -> {v}",
+    )
+    if inp.attention == "naive":
+        first_fit(
+            "attention",
+            ["fused"],
+            lambda v: inp.replace(attention=v),
+            lambda v: "a fused (flash-style) attention kernel: no materialised scores",
+        )
+    return out
+
+
+def format_advice(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
+    if plan.fits(hbm_gib * GIB, headroom):
+        return "the plan fits; no change needed"
+    found = suggest(plan, hbm_gib * GIB, headroom)
+    if not found:
+        worst = max(plan.terms, key=lambda t: t.bytes)
+        return (
+            "no single knob makes this fit; the largest term is "
+            f"'{worst.name}' ({worst.bytes / GIB:.1f} GiB): use more devices, or change "
+            "several knobs at once (mesh, batch_size, num_anchors, remat, logits_chunk)"
+        )
+    lines = ["does not fit; each of these single changes would:"]
+    lines += [f"  - {s.change}: peak {s.peak_bytes / GIB:.2f} GiB" for s in found]
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Parameter inventories of the target and the drafter, computed from their configs alone.
+
+Each model is described as a list of `ParamSpec(name, shape, logical_axes)` that mirrors the
+modules in `adaflash_jax.model.target` and `adaflash_jax.drafter.model` one array at a time,
+so byte totals are exact (the tests compare them with `jax.eval_shape` of the real modules)
+and per-device shard sizes follow the real rule tables in `adaflash_jax.sharding.rules`,
+without building a mesh or touching a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Mapping, Sequence
+
+from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.sharding.rules import Rules, logical_to_spec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterShape:
+    """What the planner needs of a drafter: DFlash makes it as wide as its target."""
+
+    num_layers: int = 5
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_features: int = 5
+    length_head_dim: int = 256  # 0: no length head
+
+    def __post_init__(self):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_features",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"drafter {name} must be positive, got {getattr(self, name)}")
+        if self.length_head_dim < 0:
+            raise ConfigError(f"length_head_dim must be >= 0, got {self.length_head_dim}")
+
+    @classmethod
+    def like_target(
+        cls,
+        target: TargetConfig,
+        *,
+        num_layers: int = 5,
+        num_features: int = 5,
+        intermediate_size: int | None = None,
+        length_head_dim: int = 256,
+    ) -> DrafterShape:
+        return cls(
+            num_layers=num_layers,
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            num_features=num_features,
+            length_head_dim=length_head_dim,
+        )
+
+
+def _decoder_layer(
+    prefix: str, d: int, f: int, h: int, kv: int, dh: int, qk_norm: bool
+) -> list[ParamSpec]:
+    p = [
+        ParamSpec(prefix + "input_layernorm", (d,), ("norm",)),
+        ParamSpec(prefix + "q_proj", (d, h * dh), ("embed", "q_heads")),
+        ParamSpec(prefix + "k_proj", (d, kv * dh), ("embed", "kv_heads")),
+        ParamSpec(prefix + "v_proj", (d, kv * dh), ("embed", "kv_heads")),
+        ParamSpec(prefix + "o_proj", (h * dh, d), ("q_heads", "embed")),
+        ParamSpec(prefix + "post_attention_layernorm", (d,), ("norm",)),
+        ParamSpec(prefix + "gate_proj", (d, f), ("embed", "mlp")),
+        ParamSpec(prefix + "up_proj", (d, f), ("embed", "mlp")),
+        ParamSpec(prefix + "down_proj", (f, d), ("mlp", "embed")),
+    ]
+    if qk_norm:
+        p += [
+            ParamSpec(prefix + "q_norm", (dh,), ("norm",)),
+            ParamSpec(prefix + "k_norm", (dh,), ("norm",)),
+        ]
+    return p
+
+
+def target_params(cfg: TargetConfig) -> list[ParamSpec]:
+    """Every parameter array of `TargetLM(cfg)`."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    out = [ParamSpec("embed_tokens", (v, d), ("vocab", "embed"))]
+    for i in range(cfg.num_hidden_layers):
+        out += _decoder_layer(
+            f"layers.{i}.",
+            d,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.qk_norm,
+        )
+    out.append(ParamSpec("norm", (d,), ("norm",)))
+    if not cfg.tie_word_embeddings:
+        out.append(ParamSpec("lm_head", (d, v), ("embed", "vocab")))
+    return out
+
+
+def target_layer_params(cfg: TargetConfig) -> list[ParamSpec]:
+    """One decoder layer: what an FSDP forward gathers at a time."""
+    return _decoder_layer(
+        "",
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.qk_norm,
+    )
+
+
+def drafter_params(shape: DrafterShape) -> list[ParamSpec]:
+    """Every parameter array of `Drafter(cfg)` (fc, norms, Qwen3 layers, length head)."""
+    d = shape.hidden_size
+    out = [
+        ParamSpec("fc", (shape.num_features * d, d), ("features", "embed")),
+        ParamSpec("hidden_norm", (d,), ("norm",)),
+    ]
+    for i in range(shape.num_layers):
+        out += _decoder_layer(
+            f"layers.{i}.",
+            d,
+            shape.intermediate_size,
+            shape.num_attention_heads,
+            shape.num_key_value_heads,
+            shape.head_dim,
+            True,
+        )
+    out.append(ParamSpec("norm", (d,), ("norm",)))
+    r = shape.length_head_dim
+    if r:
+        out += [
+            ParamSpec("length_head.down.kernel", (2 * d, r), ("head_in", "head_hidden")),
+            ParamSpec("length_head.down.bias", (r,), ("head_hidden",)),
+            ParamSpec("length_head.res.kernel", (r, r), ("head_hidden", "head_hidden")),
+            ParamSpec("length_head.res.bias", (r,), ("head_hidden",)),
+            ParamSpec("length_head.out.kernel", (r, 1), ("head_hidden", None)),
+            ParamSpec("length_head.out.bias", (1,), (None,)),
+        ]
+    return out
+
+
+def mesh_like(mesh: Sequence[int] | Mapping[str, int]):
+    """A stand-in with the `.shape` mapping `logical_to_spec` reads; no devices involved."""
+    shape = dict(mesh) if isinstance(mesh, Mapping) else dict(zip(MESH_AXES, mesh, strict=True))
+    return types.SimpleNamespace(shape=shape)
+
+
+def shard_size(spec: ParamSpec, mesh: Sequence[int] | Mapping[str, int], rules: Rules) -> int:
+    """Elements of `spec` held by one device under `rules` (mappings that do not divide a
+    dimension are dropped, exactly as in `logical_to_spec`)."""
+    fake = mesh_like(mesh)
+    pspec = logical_to_spec(spec.logical_axes, spec.shape, fake, rules)
+    n = 1
+    for dim, axes in zip(spec.shape, pspec, strict=True):
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
+        n *= dim // math.prod(fake.shape[a] for a in names)
+    return n
+
+
+def total_bytes(specs: Sequence[ParamSpec], bytes_per_elem: int) -> int:
+    return sum(s.size for s in specs) * bytes_per_elem
+
+
+def per_device_bytes(specs: Sequence[ParamSpec], bytes_per_elem: int, mesh, rules: Rules) -> int:
+    return sum(shard_size(s, mesh, rules) for s in specs) * bytes_per_elem

@@ -1,0 +1,76 @@
+"""Per-device memory plan of a distillation run: does it fit, and if not, what to change.
+
+  python -m experiments.plan --config experiments/configs/qwen3_8b_v5p.py --devices 64 --hbm-gib 95
+  python -m experiments.plan --target-shape qwen3-32b --devices 32 --chip v6e --batch-size 32
+
+Exit status 0 when the plan fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.plan import (
+    GIB,
+    choose_mesh,
+    estimate,
+    format_advice,
+    format_plan,
+    inputs_from_config,
+    load_config_file,
+)
+from adaflash_jax.plan.advice import CHIP_HBM_GIB
+from adaflash_jax.plan.inputs import target_from
+
+KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers", "num_features",
+         "logits_chunk", "collect_slots", "collect_capacity")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", help="run config file (experiments/configs/<name>.py)")
+    p.add_argument("--devices", type=int, required=True, help="chips in the slice")
+    p.add_argument("--hbm-gib", type=float, help="HBM per device in GiB")
+    p.add_argument("--chip", choices=sorted(CHIP_HBM_GIB), help="sets --hbm-gib for a TPU chip")
+    p.add_argument("--headroom", type=float, default=0.1, help="HBM fraction kept free")
+    p.add_argument("--target-shape", help="qwen3-1.7b | qwen3-8b | qwen3-32b")
+    p.add_argument("--target-path", help="HF directory whose config.json gives the shape")
+    p.add_argument("--mesh", help="data,fsdp,tensor (one may be -1) or 'auto'")
+    for knob in KNOBS:
+        p.add_argument("--" + knob.replace("_", "-"), type=int)
+    p.add_argument("--remat", choices=("none", "full"))
+    p.add_argument("--attention", choices=("naive", "fused"))
+    args = p.parse_args(argv)
+    hbm = args.hbm_gib or CHIP_HBM_GIB.get(args.chip)
+    if hbm is None:
+        p.error("pass --hbm-gib or --chip")
+    defaults = dict(batch_size=args.devices, seq_len=2048, num_anchors=256, mesh=(1, -1, 1))
+    cfg = load_config_file(args.config) if args.config else types.SimpleNamespace(**defaults)
+    over = {k: getattr(args, k) for k in (*KNOBS, "remat", "attention") if getattr(args, k)}
+    if args.target_shape or args.target_path:
+        over["target"] = target_from(
+            types.SimpleNamespace(target_shape=args.target_shape, target_path=args.target_path)
+        )
+    auto = args.mesh == "auto" or (args.mesh is None and not args.config)
+    if args.mesh and not auto:
+        over["mesh"] = tuple(int(x) for x in args.mesh.split(","))
+    try:
+        inp = inputs_from_config(cfg, devices=args.devices, **over)
+        if auto:
+            plan, _ = choose_mesh(inp, args.devices, hbm * GIB, args.headroom)
+            print(f"auto mesh: {plan.inputs.mesh} (data, fsdp, tensor)")
+        else:
+            plan = estimate(inp)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, hbm, args.headroom))
+    print(format_advice(plan, hbm, args.headroom))
+    return 0 if plan.fits(hbm * GIB, args.headroom) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
