@@ -1,0 +1,83 @@
+"""Where training blocks start (anchors) and what each block position learns (DESIGN §4.1).
+
+Dimensions: B batch, S sequence length, N anchors per sequence, K block size, P = K−1.
+
+A sequence is prompt + response; `loss_mask[s]` is 1 exactly on response tokens. An anchor a
+is admissible when a is a response position, a ≤ S−K (the whole block fits) and its first
+label a+1 is a response token; later labels past the response end are masked out. Anchors
+are drawn uniformly without replacement (host-side NumPy, so a run is reproducible from
+(seed, epoch, example)); a sequence with fewer admissible positions than N fills the rest
+with padding blocks marked invalid.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def admissible(loss_mask_S: np.ndarray, block_size: int) -> np.ndarray:
+    """Bool [S]: positions that may start a training block."""
+    m = np.asarray(loss_mask_S, bool)
+    s = m.shape[0]
+    ok = np.zeros(s, bool)
+    last = s - block_size  # a ≤ S−K
+    if last >= 0:
+        a = np.arange(last + 1)
+        ok[a] = m[a] & m[a + 1]
+    return ok
+
+
+def sample_anchors(
+    loss_mask_S: np.ndarray,
+    num_anchors: int,
+    block_size: int,
+    rng: np.random.Generator,
+    candidates: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(anchors [N] int32 sorted, valid [N] bool) for one sequence.
+
+    `candidates` restricts the draw to given positions (stage 2: the block starts the drafter
+    really visited during on-policy collection); inadmissible candidates are dropped.
+    """
+    ok = admissible(loss_mask_S, block_size)
+    if candidates is not None:
+        keep = np.zeros_like(ok)
+        c = np.asarray(candidates, np.int64)
+        c = c[(c >= 0) & (c < ok.shape[0])]
+        keep[c] = True
+        ok &= keep
+    pool = np.flatnonzero(ok)
+    anchors = np.zeros(num_anchors, np.int32)
+    valid = np.zeros(num_anchors, bool)
+    if pool.size > num_anchors:
+        pool = rng.choice(pool, size=num_anchors, replace=False)
+    pool = np.sort(pool)
+    anchors[: pool.size] = pool
+    valid[: pool.size] = True
+    return anchors, valid
+
+
+def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """Anchor RNG of one example in one epoch: resampled every epoch, order-independent."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+def block_targets(tokens_BxS, loss_mask_BxS, anchors_BxN, valid_BxN, block_size: int):
+    """Labels and masks of every block position → (labels [B,N,P], mask [B,N,P],
+    teacher_pos [B,N,P]).
+
+    Block position k (1..K−1) predicts the token at ℓ = a + k; the teacher's distribution
+    for it is the target's output at ℓ − 1, so `teacher_pos = ℓ − 1`.
+    """
+    s = tokens_BxS.shape[1]
+    k_P = jnp.arange(1, block_size, dtype=jnp.int32)
+    label_pos_BxNxP = anchors_BxN[..., None].astype(jnp.int32) + k_P
+    in_range = label_pos_BxNxP < s
+    safe = jnp.minimum(label_pos_BxNxP, s - 1)
+    b, n, p = safe.shape
+    flat = safe.reshape(b, n * p)
+    labels = jnp.take_along_axis(tokens_BxS, flat, axis=1).reshape(b, n, p)
+    on_resp = jnp.take_along_axis(loss_mask_BxS.astype(bool), flat, axis=1).reshape(b, n, p)
+    mask = on_resp & in_range & valid_BxN[..., None]
+    return labels, mask, safe - 1

@@ -1,0 +1,91 @@
+"""Anchor sampling, block label masks and the resumable batch iterator (truth tables)."""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+
+from adaflash_jax.distill import anchors as A
+from adaflash_jax.distill.batches import BatchIterator, SequenceData
+
+#              prompt | response ........ | pad
+MASK = np.array([0, 0, 1, 1, 1, 1, 1, 0, 0, 0], bool)
+
+
+def test_admissible_truth_table():
+    # a must be a response position with a+1 a response token and a ≤ S−K.
+    assert A.admissible(MASK, 3).astype(int).tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    # K = 6: a ≤ 4 cuts the tail
+    assert A.admissible(MASK, 6).astype(int).tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert not A.admissible(MASK, 11).any()  # block longer than the sequence
+
+
+def test_sample_anchors_without_replacement_and_padding():
+    rng = np.random.default_rng(0)
+    a, v = A.sample_anchors(MASK, 2, 3, rng)
+    assert v.tolist() == [True, True] and len(set(a.tolist())) == 2
+    assert set(a.tolist()) <= {2, 3, 4, 5} and a.tolist() == sorted(a.tolist())
+    a, v = A.sample_anchors(MASK, 6, 3, rng)  # only 4 admissible: 2 padding blocks
+    assert a.tolist() == [2, 3, 4, 5, 0, 0] and v.tolist() == [1, 1, 1, 1, 0, 0]
+    a, v = A.sample_anchors(MASK, 3, 3, rng, candidates=np.array([0, 3, 5, 9, -1]))
+    assert a.tolist() == [3, 5, 0] and v.tolist() == [True, True, False]
+
+
+def test_sample_anchors_is_uniform():
+    counts = collections.Counter()
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        counts.update(A.sample_anchors(MASK, 2, 3, rng)[0].tolist())
+    freq = np.array([counts[i] for i in (2, 3, 4, 5)]) / 4000
+    np.testing.assert_allclose(freq, 0.25, atol=0.03)
+
+
+def test_block_targets_truth_table():
+    tokens = jnp.arange(10)[None] + 100
+    anchors = jnp.array([[2, 5, 0]])
+    valid = jnp.array([[True, True, False]])
+    labels, mask, tpos = A.block_targets(tokens, jnp.asarray(MASK)[None], anchors, valid, 4)
+    assert labels[0, :2].tolist() == [[103, 104, 105], [106, 107, 108]]
+    # anchor 5: labels 6 (response), 7, 8 (padding) → masked; padding block fully masked
+    assert mask[0].astype(int).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert tpos[0, :2].tolist() == [[2, 3, 4], [5, 6, 7]]  # teacher at ℓ − 1
+
+
+def _data(m=5, s=10):
+    tokens = np.arange(m * s, dtype=np.int32).reshape(m, s)
+    mask = np.tile(MASK, (m, 1))
+    return SequenceData(tokens=tokens, loss_mask=mask, domain=np.zeros(m, np.int32))
+
+
+def test_iterator_resume_epochs_and_process_split(tmp_path):
+    data = _data()
+    data.save(str(tmp_path / "d"))
+    data = SequenceData.load(str(tmp_path / "d"))
+    kw = dict(global_batch=4, num_anchors=2, block_size=3, seed=7)
+    it = BatchIterator(data, **kw)
+    batches = [next(it) for _ in range(5)]  # 20 rows over 5 examples: 4 epochs
+    firsts = [b["tokens"][:, 0] // 10 for b in batches]
+    seen = np.concatenate(firsts)
+    for e in range(4):  # every epoch visits every example exactly once
+        assert sorted(seen[5 * e : 5 * e + 5].tolist()) == [0, 1, 2, 3, 4]
+    # anchors are resampled across epochs for the same example
+    per_example = collections.defaultdict(set)
+    for b in batches:
+        for row, anc in zip(b["tokens"][:, 0] // 10, b["anchors"]):
+            per_example[int(row)].add(tuple(anc.tolist()))
+    assert any(len(v) > 1 for v in per_example.values())
+    # resume from the state after 2 batches
+    it2 = BatchIterator(data, **kw)
+    next(it2), next(it2)
+    state = it2.get_state()
+    it3 = BatchIterator(data, **kw)
+    it3.set_state(state)
+    for want in batches[2:]:
+        got = next(it3)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    # two processes each hold half the rows of the same global batch
+    halves = [next(BatchIterator(data, **kw, process_index=p, process_count=2)) for p in (0, 1)]
+    np.testing.assert_array_equal(
+        np.concatenate([h["anchors"] for h in halves]), batches[0]["anchors"]
+    )
