@@ -1,0 +1,1 @@
+"""Decoding: sampling distributions and plain batched generation with the target."""

@@ -1,0 +1,234 @@
+"""Plain batched generation with the target: one jitted `lax.while_loop` over a pytree state.
+
+Dimensions: B rows, P padded prompt length, N max new tokens (static capacity),
+S cache capacity, V vocab.
+
+Prompts are right-padded and prefilled in ONE target call (`num_new_B` = each row's prompt
+length, so padding is written but never committed); then one token per step per row.
+Rows stop independently on any EOS id (the EOS is kept) or their own max-new-tokens; a
+finished row keeps riding the batch with `num_new = 0`, so its cache never advances.
+The target travels as (graphdef, state) with the graphdef static: the program compiles once
+per (graphdef, B, P, N, S, eos ids, greedy) and other decoders can reuse `split_target`.
+
+RNG schedule (the Python-loop reference in the tests follows it): `rng, key = split(rng)`
+before the prefill sample and before every step's sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from adaflash_jax.decode.sampling import greedy_tokens, sample_tokens
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.target import TargetLM
+
+PROMPT_BUCKET = 16  # prompts pad to a multiple of this, so nearby lengths share a program
+
+
+class GenerateError(ValueError):
+    """A generation request the model cannot serve (bad ids, too long, empty prompt)."""
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    tokens_BxN: jax.Array  # generated tokens; slots past num_out_B hold -1
+    num_out_B: jax.Array  # int32 tokens generated so far
+    done_B: jax.Array  # bool: hit EOS or its max-new-tokens
+    rng: jax.Array
+
+
+def split_target(model: TargetLM) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state): the form jitted decoders take the target in (graphdef static)."""
+    return nnx.split(model)
+
+
+def _pick(key, logits_BxV, temperature_B, top_p_B, greedy: bool):
+    if greedy:
+        return greedy_tokens(logits_BxV)
+    return sample_tokens(key, logits_BxV, temperature_B, top_p_B)
+
+
+def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_ids) -> DecodeState:
+    """Appends `tok_B` to active rows and updates their done flags."""
+    n = s.tokens_BxN.shape[1]
+    rows_B = jnp.arange(tok_B.shape[0])
+    slot_B = jnp.where(active_B, s.num_out_B, n)  # out of range: dropped
+    tokens_BxN = s.tokens_BxN.at[rows_B, slot_B].set(tok_B, mode="drop")
+    num_out_B = s.num_out_B + active_B.astype(jnp.int32)
+    is_eos_B = jnp.zeros_like(active_B)
+    for e in eos_ids:
+        is_eos_B = is_eos_B | (tok_B == e)
+    done_B = s.done_B | (active_B & (is_eos_B | (num_out_B >= max_new_B)))
+    return s.replace(tokens_BxN=tokens_BxN, num_out_B=num_out_B, done_B=done_B)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "capacity", "eos_ids", "greedy"),
+)
+def generate_jit(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_BxP: jax.Array,
+    prompt_len_B: jax.Array,
+    max_new_B: jax.Array,
+    temperature_B: jax.Array,
+    top_p_B: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    capacity: int,
+    eos_ids: tuple[int, ...],
+    greedy: bool,
+) -> DecodeState:
+    """Prefill + while_loop decode; returns the final state (inputs validated by `generate`)."""
+    model = nnx.merge(graphdef, state)
+    b = prompt_BxP.shape[0]
+    rows_B = jnp.arange(b)
+
+    out = model(
+        prompt_BxP,
+        cache=model.init_cache(b, capacity),
+        num_new_B=prompt_len_B,
+        compute_logits=False,
+    )
+    last_hidden_BxD = out.hidden_BxTxD[rows_B, prompt_len_B - 1]
+    logits_BxV = model.logits(last_hidden_BxD[:, None])[:, 0]
+    rng, key = jax.random.split(rng)
+    first_B = _pick(key, logits_BxV, temperature_B, top_p_B, greedy)
+    s = DecodeState(
+        cache=out.cache,
+        tokens_BxN=jnp.full((b, max_new_tokens), -1, jnp.int32),
+        num_out_B=jnp.zeros((b,), jnp.int32),
+        done_B=jnp.zeros((b,), bool),
+        rng=rng,
+    )
+    s = _commit(s, first_B, jnp.ones((b,), bool), max_new_B, eos_ids)
+
+    def step(s: DecodeState) -> DecodeState:
+        active_B = ~s.done_B
+        last_B = s.tokens_BxN[rows_B, s.num_out_B - 1]
+        out = model(last_B[:, None], cache=s.cache, num_new_B=active_B.astype(jnp.int32))
+        rng, key = jax.random.split(s.rng)
+        tok_B = _pick(key, out.logits_BxTxV[:, 0], temperature_B, top_p_B, greedy)
+        s = s.replace(cache=out.cache, rng=rng)
+        return _commit(s, tok_B, active_B, max_new_B, eos_ids)
+
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done_B), step, s)
+
+
+def _per_row(value, b: int, name: str) -> list:
+    values = list(value) if isinstance(value, Sequence) else [value] * b
+    if len(values) != b:
+        raise GenerateError(f"{name} has {len(values)} entries for {b} prompts")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """Validated device inputs for `generate_jit` and its static knobs."""
+
+    arrays: tuple[jax.Array, ...]  # prompt_BxP, prompt_len_B, max_new_B, temperature_B, top_p_B
+    static: dict  # max_new_tokens, capacity, eos_ids, greedy
+
+
+def prepare_batch(
+    cfg: TargetConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float | Sequence[float] = 0.0,
+    top_p: float | Sequence[float] = 1.0,
+    eos_ids: Sequence[int] | None = None,
+    capacity: int | None = None,
+) -> PreparedBatch:
+    """Checks every request against the model BEFORE any compute, then pads the batch."""
+    b = len(prompts)
+    if b == 0:
+        raise GenerateError("no prompts given")
+    max_new = [int(m) for m in _per_row(max_new_tokens, b, "max_new_tokens")]
+    temps = [float(t) for t in _per_row(temperature, b, "temperature")]
+    top_ps = [float(p) for p in _per_row(top_p, b, "top_p")]
+    lengths = [len(p) for p in prompts]
+    for i, (prompt, n_new, t, p) in enumerate(zip(prompts, max_new, temps, top_ps)):
+        if not prompt:
+            raise GenerateError(f"prompt {i} is empty")
+        bad = [int(x) for x in prompt if not 0 <= int(x) < cfg.vocab_size]
+        if bad:
+            raise GenerateError(
+                f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}"
+            )
+        if n_new < 1:
+            raise GenerateError(f"max_new_tokens must be >= 1, got {n_new} for prompt {i}")
+        if not t >= 0 or not 0 < p <= 1:
+            raise GenerateError(f"prompt {i}: need temperature >= 0 and 0 < top_p <= 1")
+        if len(prompt) + n_new > cfg.max_position_embeddings:
+            raise GenerateError(
+                f"prompt {i}: {len(prompt)} prompt + {n_new} new tokens exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings})"
+            )
+    n = max(max_new)
+    p_pad = -(-max(lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
+    needed = max(length + m for length, m in zip(lengths, max_new))
+    capacity = capacity if capacity is not None else p_pad + n
+    if needed > capacity:
+        raise GenerateError(f"cache capacity {capacity} is smaller than prompt + new ({needed})")
+
+    prompt_BxP = np.zeros((b, p_pad), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompt_BxP[i, : len(prompt)] = np.asarray(prompt, np.int32)
+    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+    arrays = (
+        jnp.asarray(prompt_BxP),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(max_new, jnp.int32),
+        jnp.asarray(temps, jnp.float32),
+        jnp.asarray(top_ps, jnp.float32),
+    )
+    static = dict(
+        max_new_tokens=n, capacity=capacity, eos_ids=eos, greedy=all(t == 0 for t in temps)
+    )
+    return PreparedBatch(arrays=arrays, static=static)
+
+
+def generate(
+    target: TargetLM | tuple[nnx.GraphDef, nnx.State],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float | Sequence[float] = 0.0,
+    top_p: float | Sequence[float] = 1.0,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    capacity: int | None = None,
+) -> list[list[int]]:
+    """Generates for a batch of token-id prompts; returns each row's new tokens, ending at
+    (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
+    temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
+    if isinstance(target, TargetLM):
+        cfg = target.config
+        graphdef, state = split_target(target)
+    else:
+        graphdef, state = target
+        cfg = nnx.merge(graphdef, state).config  # no arrays are copied
+    batch = prepare_batch(
+        cfg,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_ids=eos_ids,
+        capacity=capacity,
+    )
+    final = generate_jit(graphdef, state, *batch.arrays, jax.random.key(seed), **batch.static)
+    tokens_BxN, num_out_B = jax.device_get((final.tokens_BxN, final.num_out_B))
+    return [tokens_BxN[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

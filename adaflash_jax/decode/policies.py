@@ -1,0 +1,187 @@
+"""Length policies: how many tokens each row asks the target to verify (DESIGN §4.3, §5).
+
+Dimensions: B slots, K block size, V vocab, D drafter width, NW number of width buckets.
+
+A policy sees ONLY the drafter's forward pass of this step (block states, draft logits, the
+length head's r and, later, a per-position acceptance output) plus batch occupancy. It never
+sees which tokens were sampled, so rejection sampling stays lossless under every policy.
+It returns a requested width w_b in [1, K] per row (w = the bonus + w − 1 drafts); the engine
+runs the batch at the smallest bucket >= the largest active request.
+
+Policies are frozen dataclasses: hashable, so the engine passes them to `jax.jit` as static
+arguments and each runs inside the jitted step.
+
+Acceptance estimators (per-position acceptance probability a_i, i = 1..K−1, of draft i given
+drafts < i were accepted), any of which feeds `goodput`:
+- "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
+  at temperature 1. For a calibrated drafter this is the chance its argmax is the target's.
+- "length_head": r estimates (A + 1)/K (DESIGN §4.3), so the mean accepted streak is
+  m = clip(r·K − 1, 0, K − 1). We assume a constant per-position rate a (a geometric profile)
+  and solve Σ_{i=1}^{K−1} a^i = m for a by bisection.
+- "head": a per-position acceptance vector [B, K−1] provided by a future length-head output
+  (trained against greedy match labels); passed in as `PolicyInput.head_accept_BxKm1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.drafter.length_head import verify_length
+
+ESTIMATORS = ("confidence", "length_head", "head")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot run with this drafter, bucket set or cost table."""
+
+
+@struct.dataclass
+class PolicyInput:
+    hidden_BxKxD: jax.Array  # drafter final-normed block states
+    logits_BxKm1xV: jax.Array  # drafter logits for positions 1..K−1
+    length_r_B: jax.Array | None  # length head r in (0, 1), when the policy asked for it
+    head_accept_BxKm1: jax.Array | None  # per-position acceptance from a head, if any
+    active_B: jax.Array  # bool: slot holds an unfinished request
+    num_running: jax.Array  # int32 scalar: active slots this step
+
+
+# ---- acceptance estimators -----------------------------------------------------------------
+def confidence_accept_probs(logits_BxKm1xV: jax.Array) -> jax.Array:
+    return jnp.max(jax.nn.softmax(logits_BxKm1xV.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def geometric_rate(mean_accepted_B: jax.Array, num_drafts: int, iters: int = 40) -> jax.Array:
+    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts), by bisection
+    (the sum is increasing in a)."""
+    powers_N = jnp.arange(1, num_drafts + 1, dtype=jnp.float32)
+    target_B = jnp.clip(mean_accepted_B.astype(jnp.float32), 0.0, float(num_drafts))
+
+    def body(_, lo_hi):
+        lo_B, hi_B = lo_hi
+        mid_B = 0.5 * (lo_B + hi_B)
+        total_B = jnp.sum(mid_B[:, None] ** powers_N[None, :], axis=-1)
+        too_big_B = total_B > target_B
+        return jnp.where(too_big_B, lo_B, mid_B), jnp.where(too_big_B, mid_B, hi_B)
+
+    lo_B, hi_B = jax.lax.fori_loop(
+        0, iters, body, (jnp.zeros_like(target_B), jnp.ones_like(target_B))
+    )
+    return 0.5 * (lo_B + hi_B)
+
+
+def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
+    a_B = geometric_rate(r_B * block_size - 1.0, block_size - 1)
+    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], block_size - 1))
+
+
+def accept_probs(inp: PolicyInput, estimator: str, block_size: int) -> jax.Array:
+    if estimator == "confidence":
+        return confidence_accept_probs(inp.logits_BxKm1xV)
+    if estimator == "length_head":
+        return length_head_accept_probs(inp.length_r_B, block_size)
+    if inp.head_accept_BxKm1 is None:
+        raise PolicyError("estimator 'head' needs a per-position acceptance head output")
+    return inp.head_accept_BxKm1.astype(jnp.float32)
+
+
+def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+    """E[committed tokens | verify width W] = 1 + Σ_{i=1}^{W−1} Π_{j<=i} a_j → [B, NW]."""
+    survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
+    zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
+    partial_BxK = jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
+    return 1.0 + partial_BxK[:, jnp.asarray(widths) - 1]
+
+
+def best_width_index(
+    accept_BxKm1: jax.Array, active_B: jax.Array, step_ms_NW: jax.Array, widths: tuple[int, ...]
+) -> jax.Array:
+    """Index of the width maximising Σ_active E[committed | W] / step_ms(W) (ties → narrower)."""
+    gain_BxNW = expected_committed(accept_BxKm1, widths)
+    total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+    return jnp.argmax(total_NW / step_ms_NW).astype(jnp.int32)
+
+
+# ---- policies --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixedPolicy:
+    """Always the whole block (DFlash)."""
+
+    name = "fixed"
+    needs_length_head = False
+
+    def validate(self, *, buckets, slots, has_length_head):
+        pass
+
+    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        return jnp.full(inp.active_B.shape, block_size, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaFlashPolicy:
+    """Reference rule clamp(round(r·K·rate), 1, K), on only above `threshold` running rows."""
+
+    rate: float = 1.3
+    threshold: int = 48
+    name = "adaflash"
+    needs_length_head = True
+
+    def validate(self, *, buckets, slots, has_length_head):
+        if not has_length_head:
+            raise PolicyError("the adaflash policy needs a drafter with a length head")
+
+    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        head_B = verify_length(inp.length_r_B, block_size, self.rate)
+        return jnp.where(inp.num_running > self.threshold, head_B, block_size).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GoodputPolicy:
+    """One batch width per step maximising expected committed tokens per millisecond."""
+
+    cost: VerifyCostTable
+    estimator: str = "confidence"
+    name = "goodput"
+
+    @property
+    def needs_length_head(self) -> bool:
+        return self.estimator == "length_head"
+
+    def __post_init__(self):
+        if self.estimator not in ESTIMATORS:
+            raise PolicyError(f"unknown estimator {self.estimator!r}; choose from {ESTIMATORS}")
+
+    def validate(self, *, buckets, slots, has_length_head):
+        missing = [w for w in buckets if w not in self.cost.widths]
+        if missing:
+            raise PolicyError(
+                f"verify-cost table has widths {self.cost.widths}, missing buckets {missing}"
+            )
+        if self.needs_length_head and not has_length_head:
+            raise PolicyError("goodput with estimator 'length_head' needs a length head")
+
+    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        a_BxKm1 = accept_probs(inp, self.estimator, block_size)
+        step_ms_NW = self.cost.step_ms(inp.num_running, buckets)
+        idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets)
+        return jnp.full(inp.active_B.shape, jnp.asarray(buckets, jnp.int32)[idx], jnp.int32)
+
+
+POLICY_NAMES = ("fixed", "adaflash", "goodput")
+
+
+def make_policy(name: str, *, cost: VerifyCostTable | None = None, **kwargs):
+    """Builds a policy by name; `goodput` needs a verify-cost table."""
+    if name == "fixed":
+        return FixedPolicy(**kwargs)
+    if name == "adaflash":
+        return AdaFlashPolicy(**kwargs)
+    if name == "goodput":
+        if cost is None:
+            raise PolicyError("the goodput policy needs a verify-cost table (cost=...)")
+        return GoodputPolicy(cost=cost, **kwargs)
+    raise PolicyError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")

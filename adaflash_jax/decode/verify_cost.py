@@ -1,0 +1,251 @@
+"""Verify-cost table: milliseconds of one decode step per (active rows, verify width).
+
+Dimensions: NR row counts, NW widths (verify buckets), B rows, W width, C context length.
+
+The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
+the table is static data (tuples, hashable). It is measured by a short calibration pass on the
+current device (`calibrate`: the jitted target verify at each (rows, width) and the drafter's
+block forward at each row count, over a cache filled to `context_len`), cached as JSON under
+`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE_DIR) keyed by
+device kind, model shapes and slot count, or loaded from any JSON file in the same format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FORMAT = "adaflash_jax.verify_cost/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyCostTable:
+    rows: tuple[int, ...]  # ascending active-row counts
+    widths: tuple[int, ...]  # ascending verify widths
+    verify_ms: tuple[tuple[float, ...], ...]  # [NR][NW] target forward over W tokens per row
+    draft_ms: tuple[float, ...]  # [NR] drafter block forward (same for every width)
+    device: str = "unknown"
+    model: str = ""  # free-form description of the shapes measured
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        object.__setattr__(
+            self, "verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms)
+        )
+        object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
+        if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
+        if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
+            raise ValueError(f"cost table widths must be ascending positive ints: {self.widths}")
+        if len(self.verify_ms) != len(self.rows) or any(
+            len(r) != len(self.widths) for r in self.verify_ms
+        ):
+            raise ValueError("verify_ms must have one row per row count and one entry per width")
+        if len(self.draft_ms) != len(self.rows):
+            raise ValueError("draft_ms must have one entry per row count")
+        if min(min(r) for r in self.verify_ms) <= 0 or min(self.draft_ms) < 0:
+            raise ValueError("verify times must be positive and draft times non-negative")
+
+    # ---- lookups ------------------------------------------------------------------------
+    def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
+        """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
+        traceable): linear in the row count between measured rows, clamped outside."""
+        cols = [self.widths.index(w) for w in widths]
+        verify_NRxNW = jnp.asarray(self.verify_ms, jnp.float32)[:, jnp.asarray(cols)]
+        rows_NR = jnp.asarray(self.rows, jnp.float32)
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        verify_NW = jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
+        draft = jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
+        return verify_NW + draft
+
+    def verify(self, rows: int, width: int) -> float:
+        """Host lookup of the measured verify ms (interpolated in rows)."""
+        col = [r[self.widths.index(width)] for r in self.verify_ms]
+        return float(np.interp(rows, self.rows, col))
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> VerifyCostTable:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a verify-cost table (format {data.get('format')!r})")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def save(self, path: str | os.PathLike) -> None:
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> VerifyCostTable:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+# ---- calibration -----------------------------------------------------------------------------
+def default_cache_dir() -> str:
+    base = os.environ.get("ADAFLASH_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "adaflash_jax"
+    )
+    return os.path.join(base, "verify_cost")
+
+
+def device_kind() -> str:
+    dev = jax.devices()[0]
+    return f"{dev.platform}:{dev.device_kind}"
+
+
+def default_rows(slots: int) -> tuple[int, ...]:
+    """1, 2, 4, … up to `slots` (always included)."""
+    rows, r = [], 1
+    while r < slots:
+        rows.append(r)
+        r *= 2
+    return tuple(rows + [slots])
+
+
+def model_key(target, drafter) -> str:
+    t = dataclasses.asdict(target.config)
+    d = dataclasses.asdict(drafter.config) if drafter is not None else None
+    dtypes = (str(target.dtype), str(getattr(drafter, "dtype", None)))
+    return json.dumps([t, d, dtypes], sort_keys=True, default=str)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "feature_layers"))
+def _verify_fwd(graphdef, state, tokens_BxW, cache, feature_layers):
+    out = nnx.merge(graphdef, state)(tokens_BxW, cache=cache, feature_layers=feature_layers)
+    return out.logits_BxTxV, out.features_BxTxnD, out.cache.k[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _draft_fwd(graphdef, state, cache, bonus_B, embedding_VxD, lm_head_DxV):
+    return nnx.merge(graphdef, state).draft(cache, bonus_B, embedding_VxD, lm_head_DxV)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def calibrate(
+    target,
+    drafter,
+    *,
+    rows: tuple[int, ...],
+    widths: tuple[int, ...],
+    context_len: int = 256,
+    repeats: int = 5,
+) -> VerifyCostTable:
+    """Times the target verify at each (rows, width) and the drafter block at each row count,
+    with every row's cache holding `context_len` tokens. Compiles one program per cell."""
+    tdef, tstate = nnx.split(target)
+    layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+    capacity = context_len + max(widths) + 1
+    verify, draft = [], []
+    for r in rows:
+        cache = target.init_cache(r, capacity).with_lengths(jnp.full((r,), context_len))
+        row = []
+        for w in widths:
+            tokens = jnp.zeros((r, w), jnp.int32)
+            row.append(
+                _median_ms(lambda: _verify_fwd(tdef, tstate, tokens, cache, layers), repeats)
+            )
+        verify.append(tuple(row))
+        if drafter is None:
+            draft.append(0.0)
+            continue
+        ddef, dstate = nnx.split(drafter)
+        ctx = drafter.init_context_cache(r, capacity).with_lengths(jnp.full((r,), context_len))
+        emb, head = target.embedding_VxD(), target.lm_head_DxV()
+        bonus = jnp.zeros((r,), jnp.int32)
+        draft.append(_median_ms(lambda: _draft_fwd(ddef, dstate, ctx, bonus, emb, head), repeats))
+    return VerifyCostTable(
+        rows=rows,
+        widths=widths,
+        verify_ms=tuple(verify),
+        draft_ms=tuple(draft),
+        device=device_kind(),
+        model=f"ctx{context_len} " + hashlib.sha1(model_key(target, drafter).encode()).hexdigest(),
+    )
+
+
+def cache_path(target, drafter, *, slots, widths, context_len, cache_dir=None) -> str:
+    key = json.dumps([device_kind(), model_key(target, drafter), slots, widths, context_len])
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    kind = device_kind().replace(" ", "_").replace("/", "_").replace(":", "_")
+    return os.path.join(cache_dir or default_cache_dir(), f"{kind}-s{slots}-{digest}.json")
+
+
+def load_or_calibrate(
+    target,
+    drafter,
+    *,
+    slots: int,
+    widths: tuple[int, ...],
+    context_len: int = 256,
+    repeats: int = 5,
+    cache_dir: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> VerifyCostTable:
+    """The table from `path` if given; else the cached calibration for this device, model and
+    slot count; else calibrates now and caches the result."""
+    if path is not None:
+        return VerifyCostTable.load(path)
+    cached = cache_path(
+        target, drafter, slots=slots, widths=widths, context_len=context_len, cache_dir=cache_dir
+    )
+    if os.path.isfile(cached):
+        return VerifyCostTable.load(cached)
+    table = calibrate(
+        target,
+        drafter,
+        rows=default_rows(slots),
+        widths=widths,
+        context_len=context_len,
+        repeats=repeats,
+    )
+    table.save(cached)
+    return table
+
+
+def from_forward_ms_json(path: str | os.PathLike, *, ctx: int, draft_ms=None) -> VerifyCostTable:
+    """Builds a table from a `target_forward_ms` list of {B, T, ctx, ms} (the format of
+    shared/data/h200_qwen3_8b_shape_forward_ms.json) at one context length."""
+    with open(path) as f:
+        data = json.load(f)
+    cells = {(c["B"], c["T"]): c["ms"] for c in data["target_forward_ms"] if c["ctx"] == ctx}
+    if not cells:
+        raise ValueError(f"{path} has no timings at ctx {ctx}")
+    rows = tuple(sorted({b for b, _ in cells}))
+    widths = tuple(sorted({t for _, t in cells}))
+    missing = [(b, t) for b in rows for t in widths if (b, t) not in cells]
+    if missing:
+        raise ValueError(f"{path} lacks timings for (B, T) = {missing[:4]} at ctx {ctx}")
+    return VerifyCostTable(
+        rows=rows,
+        widths=widths,
+        verify_ms=tuple(tuple(cells[(b, t)] for t in widths) for b in rows),
+        draft_ms=tuple(draft_ms or (0.0,) * len(rows)),
+        device=str(data.get("device", "unknown")),
+        model=json.dumps(data.get("shape", {}), sort_keys=True),
+    )

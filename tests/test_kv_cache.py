@@ -1,0 +1,171 @@
+"""Cache equivalences: cached == uncached, ragged == alone, while_loop == Python loop."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch, split_target
+from adaflash_jax.decode.sampling import sample_tokens
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+
+V = 128
+CFG = TargetConfig(
+    model_type="qwen3",
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = TargetLM(CFG, rngs=nnx.Rngs(0))
+    # ×6 on the matrices (std 0.12): peaked attention, so a stale or missing cache entry
+    # changes the outputs far above the tolerance.
+    params = nnx.state(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda x: x * 6.0 if x.ndim == 2 else x, params))
+    return m
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "feature_layers"))
+def _jit_forward(graphdef, state, tokens, cache, num_new_B, feature_layers):
+    model = nnx.merge(graphdef, state)
+    return model(tokens, cache=cache, num_new_B=num_new_B, feature_layers=feature_layers)
+
+
+def fwd(model, tokens, *, cache=None, num_new_B=None, feature_layers=()):
+    """The target forward, jitted (eager dispatch of every op is far slower on CPU)."""
+    graphdef, state = nnx.split(model)
+    return _jit_forward(graphdef, state, tokens, cache, num_new_B, tuple(feature_layers))
+
+
+def _tokens(b, t, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, V, (b, t)), jnp.int32)
+
+
+def test_prefill_extend_rollback_extend_equals_full_forward(model):
+    tokens = _tokens(2, 14)
+    full = fwd(model, tokens, feature_layers=(0,))
+    cache = model.init_cache(2, 32)
+
+    pre = fwd(model, tokens[:, :5], cache=cache, feature_layers=(0,))
+    np.testing.assert_allclose(pre.logits_BxTxV, full.logits_BxTxV[:, :5], atol=ATOL)
+    np.testing.assert_allclose(pre.features_BxTxnD, full.features_BxTxnD[:, :5], atol=ATOL)
+
+    # A speculative extend of 4: the true next 2 tokens, then 2 wrong ones.
+    draft = tokens[:, 5:9].at[:, 2:].set((tokens[:, 7:9] + 1) % V)
+    ext = fwd(model, draft, cache=pre.cache)
+    np.testing.assert_array_equal(ext.cache.lengths, [9, 9])
+    np.testing.assert_allclose(ext.logits_BxTxV[:, :2], full.logits_BxTxV[:, 5:7], atol=ATOL)
+    assert np.abs(ext.logits_BxTxV[:, 3] - full.logits_BxTxV[:, 8]).max() > 1e-2  # can fail
+
+    # Keep the 2 correct tokens, drop the wrong ones, then extend with the true rest.
+    rolled = ext.cache.rollback(jnp.array([7, 7]))
+    rest = fwd(model, tokens[:, 7:], cache=rolled, feature_layers=(0,))
+    np.testing.assert_array_equal(rest.cache.lengths, [14, 14])
+    np.testing.assert_allclose(rest.logits_BxTxV, full.logits_BxTxV[:, 7:], atol=ATOL)
+    np.testing.assert_allclose(rest.features_BxTxnD, full.features_BxTxnD[:, 7:], atol=ATOL)
+
+
+def test_per_row_rollback_and_ragged_extend(model):
+    """Rows commit different counts (num_new_B), as a verify step does."""
+    tokens = _tokens(2, 12, seed=1)
+    full = fwd(model, tokens)
+    pre = fwd(model, tokens[:, :4], cache=model.init_cache(2, 24))
+    ext = fwd(model, tokens[:, 4:8], cache=pre.cache, num_new_B=jnp.array([1, 3]))
+    np.testing.assert_array_equal(ext.cache.lengths, [5, 7])
+    nxt = fwd(model, jnp.stack([tokens[0, 5:8], tokens[1, 7:10]]), cache=ext.cache)
+    np.testing.assert_allclose(nxt.logits_BxTxV[0], full.logits_BxTxV[0, 5:8], atol=ATOL)
+    np.testing.assert_allclose(nxt.logits_BxTxV[1], full.logits_BxTxV[1, 7:10], atol=ATOL)
+
+
+def test_ragged_batch_equals_each_prompt_alone(model):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, V, n).tolist() for n in (3, 9, 14)]
+    batched = generate(model, prompts, max_new_tokens=[8, 5, 8], eos_ids=())
+    alone = [
+        generate(model, [p], max_new_tokens=n, eos_ids=())[0] for p, n in zip(prompts, (8, 5, 8))
+    ]
+    assert batched == alone
+    assert [len(o) for o in batched] == [8, 5, 8]
+
+    # Same prefill logits, padded batch vs alone (through the cache path, with num_new_B).
+    lengths = jnp.array([3, 9, 14])
+    padded = jnp.asarray([p + [0] * (14 - len(p)) for p in prompts], jnp.int32)
+    out = fwd(model, padded, cache=model.init_cache(3, 16), num_new_B=lengths)
+    np.testing.assert_array_equal(out.cache.lengths, lengths)
+    for i, p in enumerate(prompts):
+        # Alone and uncached; trailing padding cannot change causal logits before it.
+        alone_logits = fwd(model, padded[i : i + 1]).logits_BxTxV[0, : len(p)]
+        np.testing.assert_allclose(out.logits_BxTxV[i, : len(p)], alone_logits, atol=ATOL)
+
+
+def test_greedy_generate_equals_uncached_python_loop(model):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, V, n).tolist() for n in (4, 7, 12)]
+    got = generate(model, prompts, max_new_tokens=8, eos_ids=())
+    for prompt, out in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(8):  # full recompute each step, no cache; fixed shape, causal padding
+            padded = jnp.asarray([seq + [0] * (24 - len(seq))], jnp.int32)
+            logits = fwd(model, padded).logits_BxTxV[0, len(seq) - 1]
+            seq.append(int(jnp.argmax(logits)))
+        assert out == seq[len(prompt) :]
+
+
+def _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, seed):
+    """Step-by-step twin of generate_jit with the same RNG schedule, cache and EOS rules."""
+    b, p_pad = len(prompts), 16
+    padded = jnp.asarray([p + [0] * (p_pad - len(p)) for p in prompts], jnp.int32)
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    out = fwd(model, padded, cache=model.init_cache(b, p_pad + max(max_new)), num_new_B=lengths)
+    logits_BxV = out.logits_BxTxV[jnp.arange(b), lengths - 1]
+    rng, cache = jax.random.key(seed), out.cache
+    outputs, done = [[] for _ in range(b)], [False] * b
+    while True:
+        rng, key = jax.random.split(rng)
+        tok = sample_tokens(key, logits_BxV, jnp.asarray(temps), jnp.asarray(top_ps)).tolist()
+        for i in range(b):
+            if not done[i]:
+                outputs[i].append(tok[i])
+                done[i] = tok[i] in eos or len(outputs[i]) >= max_new[i]
+        if all(done):
+            return outputs, cache
+        last = jnp.asarray([[o[-1]] for o in outputs], jnp.int32)
+        active = jnp.asarray([not d for d in done], jnp.int32)
+        step = fwd(model, last, cache=cache, num_new_B=active)
+        logits_BxV, cache = step.logits_BxTxV[:, 0], step.cache
+
+
+def test_sampled_while_loop_equals_python_loop(model):
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, V, n).tolist() for n in (5, 11, 8)]
+    temps, top_ps, max_new = [0.0, 0.8, 1.5], [1.0, 0.9, 1.0], [9, 12, 6]
+    greedy = generate(model, prompts[:1], max_new_tokens=9, eos_ids=())[0]
+    eos = (greedy[4],)  # row 0 (greedy) must stop at its 5th token or earlier
+    expected, ref_cache = _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, 7)
+    graphdef, state = split_target(model)
+    batch = prepare_batch(
+        CFG, prompts, max_new_tokens=max_new, temperature=temps, top_p=top_ps, eos_ids=eos
+    )
+    final = generate_jit(graphdef, state, *batch.arrays, jax.random.key(7), **batch.static)
+    got = [final.tokens_BxN[i, : final.num_out_B[i]].tolist() for i in range(3)]
+    assert got == expected
+    assert got[0] == greedy[: greedy.index(eos[0]) + 1]
+    # Finished rows stop advancing: committed = prompt + outputs − the last (never fed) token.
+    want_lengths = [len(p) + len(o) - 1 for p, o in zip(prompts, got)]
+    np.testing.assert_array_equal(final.cache.lengths, want_lengths)
+    np.testing.assert_array_equal(ref_cache.lengths, want_lengths)
