@@ -22,8 +22,8 @@ from adaflash_jax.plan import (
     inputs_from_config,
     load_config_file,
 )
-from adaflash_jax.plan.advice import CHIP_HBM_GIB
-from adaflash_jax.plan.inputs import target_from
+from adaflash_jax.plan.advice import CHIP_HBM_GIB, slice_table
+from adaflash_jax.plan.inputs import target_from, target_preset
 
 KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers", "num_features",
          "logits_chunk", "collect_slots", "collect_capacity")  # fmt: skip
@@ -32,7 +32,8 @@ KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers",
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="run config file (experiments/configs/<name>.py)")
-    p.add_argument("--devices", type=int, required=True, help="chips in the slice")
+    p.add_argument("--devices", type=int, help="chips in the slice (required unless --table)")
+    p.add_argument("--table", action="store_true", help="markdown mesh table for 8B/32B targets")
     p.add_argument("--hbm-gib", type=float, help="HBM per device in GiB")
     p.add_argument("--chip", choices=sorted(CHIP_HBM_GIB), help="sets --hbm-gib for a TPU chip")
     p.add_argument("--headroom", type=float, default=0.1, help="HBM fraction kept free")
@@ -45,20 +46,30 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=("naive", "fused"))
     args = p.parse_args(argv)
     hbm = args.hbm_gib or CHIP_HBM_GIB.get(args.chip)
-    if hbm is None:
-        p.error("pass --hbm-gib or --chip")
-    defaults = dict(batch_size=args.devices, seq_len=2048, num_anchors=256, mesh=(1, -1, 1))
+    if not args.table and (hbm is None or args.devices is None):
+        p.error("pass --devices and --hbm-gib (or --chip), or --table")
+    defaults = dict(
+        target_shape="qwen3-8b", batch_size=args.devices or 1, seq_len=2048, num_anchors=256,
+        mesh=(1, -1, 1),
+    )  # fmt: skip
     cfg = load_config_file(args.config) if args.config else types.SimpleNamespace(**defaults)
     over = {k: getattr(args, k) for k in (*KNOBS, "remat", "attention") if getattr(args, k)}
     if args.target_shape or args.target_path:
         over["target"] = target_from(
             types.SimpleNamespace(target_shape=args.target_shape, target_path=args.target_path)
         )
+    if args.table:  # the table sizes mesh and batch per slice itself
+        over.update(mesh=(1, 1, 1), batch_size=1, collect_slots=None)
+        args.devices = 1
     auto = args.mesh == "auto" or (args.mesh is None and not args.config)
-    if args.mesh and not auto:
+    if args.mesh and not auto and not args.table:
         over["mesh"] = tuple(int(x) for x in args.mesh.split(","))
     try:
         inp = inputs_from_config(cfg, devices=args.devices, **over)
+        if args.table:
+            targets = {n: target_preset(n) for n in ("qwen3-8b", "qwen3-32b")}
+            print(slice_table(inp, targets, args.headroom))
+            return 0
         if auto:
             plan, _ = choose_mesh(inp, args.devices, hbm * GIB, args.headroom)
             print(f"auto mesh: {plan.inputs.mesh} (data, fsdp, tensor)")

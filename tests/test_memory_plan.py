@@ -182,3 +182,17 @@ def test_cli_reads_config_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "num_anchors 512 ->" in out
     assert plan_cli.main(["--config", str(path), "--devices", "6", "--hbm-gib", "95"]) == 2
+
+
+def test_slice_table_rows():
+    from adaflash_jax.plan.advice import slice_table
+
+    table = slice_table(
+        _inputs(num_anchors=64, seq_len=2048),
+        {"8b": target_preset("qwen3-8b"), "32b": target_preset("qwen3-32b")},
+        slices=(("v5p-16", "v5p", 8), ("v5litepod-8", "v5e", 8)),
+    )
+    rows = table.splitlines()
+    assert rows[2].startswith("| v5p-16 | 8 | 95 GiB | (8, 1, 1) |")  # 8B: pure data parallel
+    assert "| v5litepod-8 | 8 | 16 GiB | (1, 8, 1) |" in rows[3]  # 8B on v5e needs fsdp
+    assert rows[3].count("does not fit") == 1  # 32B does not fit 8 v5e chips

@@ -143,3 +143,57 @@ def format_advice(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> st
     lines = ["does not fit; each of these single changes would:"]
     lines += [f"  - {s.change}: peak {s.peak_bytes / GIB:.2f} GiB" for s in found]
     return "\n".join(lines)
+
+
+# Common single-slice shapes: (accelerator type, chip kind, chips). A v5p type counts
+# TensorCores (two per chip); v5e (v5litepod) and v6e types count chips.
+SLICES = (
+    ("v5p-8", "v5p", 4),
+    ("v5p-16", "v5p", 8),
+    ("v5p-32", "v5p", 16),
+    ("v5p-64", "v5p", 32),
+    ("v5p-128", "v5p", 64),
+    ("v5litepod-8", "v5e", 8),
+    ("v5litepod-16", "v5e", 16),
+    ("v5litepod-32", "v5e", 32),
+    ("v5litepod-64", "v5e", 64),
+    ("v5litepod-256", "v5e", 256),
+    ("v6e-8", "v6e", 8),
+    ("v6e-16", "v6e", 16),
+    ("v6e-32", "v6e", 32),
+    ("v6e-64", "v6e", 64),
+)
+
+
+def slice_table(workload: PlanInputs, targets: dict, headroom: float = 0.1, slices=SLICES) -> str:
+    """Markdown: the mesh `choose_mesh` picks for each target on each slice in SLICES, with
+    one sequence per chip (global batch = chips) and `workload`'s other knobs."""
+    head = "| slice | chips | HBM/chip |"
+    rule = "|---|---|---|"
+    for name in targets:
+        head += f" {name}: mesh (data, fsdp, tensor) | peak GiB |"
+        rule += "---|---|"
+    rows = [head, rule]
+    for accel, chip, chips in slices:
+        hbm = CHIP_HBM_GIB[chip]
+        row = f"| {accel} | {chips} | {hbm:g} GiB |"
+        for target in targets.values():
+            inp = workload.replace(
+                target=target,
+                drafter=dataclasses.replace(
+                    workload.drafter,
+                    hidden_size=target.hidden_size,
+                    intermediate_size=target.intermediate_size,
+                    num_attention_heads=target.num_attention_heads,
+                    num_key_value_heads=target.num_key_value_heads,
+                    head_dim=target.head_dim,
+                ),
+                mesh=(1, chips, 1),
+                batch_size=chips,
+                collect_slots=None,
+            )
+            plan, fits = choose_mesh(inp, chips, hbm * GIB, headroom)
+            mesh = str(plan.inputs.mesh) if fits else "does not fit"
+            row += f" {mesh} | {plan.peak_bytes / GIB:.1f} |"
+        rows.append(row)
+    return "\n".join(rows)
