@@ -158,6 +158,8 @@ def test_config_reading_and_errors():
     )  # fmt: skip
     inp = inputs_from_config(cfg, devices=16)
     assert inp.mesh == (1, 8, 2) and inp.drafter.num_layers == 3 and inp.drafter.num_features == 5
+    assert inp.compute_bytes == 2
+    assert inputs_from_config(cfg, devices=16, compute_dtype="float32").compute_bytes == 4
     with pytest.raises(ConfigError, match="devices"):
         inputs_from_config(types.SimpleNamespace(**{**vars(cfg), "mesh": (2, 2, 2)}), devices=16)
     with pytest.raises(ConfigError, match="divisible"):

@@ -12,7 +12,8 @@ import of the training code. The fields it looks for (all optional except as not
   taken from it), or the flat fields drafter_layers, num_features / target_layer_ids,
   drafter_intermediate_size, length_head_dim.
 - remat (bool, or "none"/"full"), attention ("naive" | "fused"), logits_chunk (anchors per
-  loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules.
+  loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules,
+  compute_dtype ("bfloat16" | "float32": activation bytes; target weights count as bf16).
 """
 
 from __future__ import annotations
@@ -268,6 +269,7 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         collect_capacity=get("collect_capacity"),
         collect_prompt_len=get("collect_prompt_len"),
         target_rules=get("target_rules", "train"),
+        compute_bytes={"float32": 4, "bfloat16": 2}.get(str(get("compute_dtype", "bfloat16")), 2),
     )
 
 
