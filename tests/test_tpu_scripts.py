@@ -181,6 +181,8 @@ def test_setup_dry_run_from_git_url():
 
 
 def test_setup_copies_a_tarball_of_head(fake_gcloud, tmp_path):
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: setup.sh archives HEAD")
     env, calls = fake_gcloud
     env["FAKE_GCLOUD_EXEC"] = "tar -xzf"  # run only the extraction on the fake worker
     proc = run("setup", *BASE, "--jax-version", "0.11.2", env=env)
