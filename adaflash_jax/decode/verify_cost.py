@@ -137,12 +137,12 @@ def _draft_fwd(graphdef, state, cache, bonus_B, embedding_VxD, lm_head_DxV):
     return nnx.merge(graphdef, state).draft(cache, bonus_B, embedding_VxD, lm_head_DxV)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm-up
+def _median_ms(repeats: int, fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(times))
 
@@ -167,9 +167,7 @@ def calibrate(
         row = []
         for w in widths:
             tokens = jnp.zeros((r, w), jnp.int32)
-            row.append(
-                _median_ms(lambda: _verify_fwd(tdef, tstate, tokens, cache, layers), repeats)
-            )
+            row.append(_median_ms(repeats, _verify_fwd, tdef, tstate, tokens, cache, layers))
         verify.append(tuple(row))
         if drafter is None:
             draft.append(0.0)
@@ -178,7 +176,7 @@ def calibrate(
         ctx = drafter.init_context_cache(r, capacity).with_lengths(jnp.full((r,), context_len))
         emb, head = target.embedding_VxD(), target.lm_head_DxV()
         bonus = jnp.zeros((r,), jnp.int32)
-        draft.append(_median_ms(lambda: _draft_fwd(ddef, dstate, ctx, bonus, emb, head), repeats))
+        draft.append(_median_ms(repeats, _draft_fwd, ddef, dstate, ctx, bonus, emb, head))
     return VerifyCostTable(
         rows=rows,
         widths=widths,

@@ -1,0 +1,252 @@
+"""Continuous batching over a fixed number of slots: the host-side scheduler and public API.
+
+The device runs `run_loop` (a `lax.while_loop` of jitted steps) until an active slot
+finishes; the host then harvests finished slots, prefills the next queued requests into the
+free ones (one jitted prefill per group, prompt lengths and row counts padded to small bucket
+sets to bound compiles) and continues until the queue is empty and every slot is done.
+
+    engine = SpeculativeEngine(target, drafter, slots=4, capacity=512, policy="goodput")
+    results = engine.generate([(prompt_ids, max_new_tokens), ...])   # list[Result]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.policies import PolicyError, make_policy
+from adaflash_jax.decode.verify_cost import VerifyCostTable, load_or_calibrate
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+NO_LIMIT = 2**30
+
+
+class EngineError(ValueError):
+    """A request or engine setting the models cannot serve (checked before any compute)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    output_ids: list[int]  # generated tokens, ending at (and including) an EOS if one came
+    accepted: list[int]  # accepted drafts per verify step
+    widths: list[int]  # batch verify width (bucket the target ran) per step
+    requested_widths: list[int]  # the width the policy asked for this row per step
+    steps: int  # verify steps (the first token comes from the prefill, not a step)
+    finish_reason: str  # "eos" or "length"
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step (accepted + 1); nan without steps."""
+        return float(np.mean(self.accepted) + 1.0) if self.accepted else math.nan
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return min(p, cap)
+
+
+class SpeculativeEngine:
+    """Speculative (or, with `drafter=None`, plain) decoding over `slots` continuous-batching
+    slots. One compiled step program per (slots, bucket set, policy, sampling mode)."""
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        *,
+        slots: int,
+        capacity: int,
+        block_size: int | None = None,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        policy="fixed",
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_ids: Sequence[int] | None = None,
+        cost_table: VerifyCostTable | str | None = None,
+        acceptance: Callable | None = None,
+        cache_dir: str | None = None,
+        policy_kwargs: dict | None = None,
+    ):
+        cfg = target.config
+        if slots < 1:
+            raise EngineError(f"slots must be >= 1, got {slots}")
+        if capacity > cfg.max_position_embeddings:
+            raise EngineError(
+                f"cache capacity {capacity} exceeds the target's max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
+        if not temperature >= 0 or not 0 < top_p <= 1:
+            raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1: {temperature}, {top_p}")
+        if drafter is not None:
+            drafter.config.validate_against(cfg)
+            if block_size is not None and block_size != drafter.config.block_size:
+                if block_size < 2:
+                    raise EngineError(f"block_size must be >= 2, got {block_size}")
+                drafter = nnx.clone(drafter)
+                drafter.config = dataclasses.replace(drafter.config, block_size=block_size)
+            k = drafter.config.block_size
+        else:
+            k = 1
+        self.target, self.drafter = target, drafter
+        self.slots, self.capacity, self.block_size = slots, capacity, k
+        self.buckets = sp.bucket_set(buckets, k)
+        self.seed = seed
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+        if isinstance(policy, str):
+            if policy == "goodput" and not isinstance(cost_table, VerifyCostTable):
+                cost_table = load_or_calibrate(
+                    target,
+                    drafter,
+                    slots=slots,
+                    widths=self.buckets,
+                    cache_dir=cache_dir,
+                    path=cost_table,
+                )
+            policy = make_policy(policy, cost=cost_table, **(policy_kwargs or {}))
+        has_head = drafter is not None and getattr(drafter, "length_head", None) is not None
+        if drafter is not None:
+            try:
+                policy.validate(buckets=self.buckets, slots=slots, has_length_head=has_head)
+            except PolicyError as e:
+                raise EngineError(str(e)) from None
+        self.policy = policy
+        self.spec = sp.EngineSpec(
+            block_size=k,
+            buckets=self.buckets,
+            greedy=self.temperature == 0.0,
+            feature_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+            policy=policy,
+            acceptance=acceptance,
+            use_length_head=drafter is not None and policy.needs_length_head,
+        )
+        self._tdef, self._tstate = nnx.split(target)
+        self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
+
+    # ---- validation -----------------------------------------------------------------------
+    def check_request(self, i: int, prompt: Sequence[int], max_new: int) -> None:
+        v = self.target.config.vocab_size
+        if len(prompt) == 0:
+            raise EngineError(f"request {i}: empty prompt")
+        bad = [int(t) for t in prompt if not 0 <= int(t) < v]
+        if bad:
+            raise EngineError(f"request {i}: token ids outside the vocabulary [0, {v}): {bad[:5]}")
+        if max_new < 1:
+            raise EngineError(f"request {i}: max_new_tokens must be >= 1, got {max_new}")
+        need = len(prompt) + max_new + self.block_size
+        if need > self.capacity:
+            raise EngineError(
+                f"request {i}: prompt {len(prompt)} + max_new {max_new} + block {self.block_size}"
+                f" = {need} exceeds the cache capacity {self.capacity}"
+            )
+
+    # ---- device calls ---------------------------------------------------------------------
+    def init_state(self, seed: int) -> sp.SpecState:
+        return sp.init_state(
+            self.target,
+            self.drafter,
+            slots=self.slots,
+            capacity=self.capacity,
+            eos_ids=self.eos_ids,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=seed,
+        )
+
+    def _models(self):
+        return self._tdef, self._tstate, self._ddef, self._dstate
+
+    def _prefill(self, state, assignments):
+        """assignments: list of (slot, prompt, max_new) started in one padded call."""
+        rows = _pow2_at_least(len(assignments), self.slots)
+        p = _pow2_at_least(max(len(a[1]) for a in assignments), self.capacity)
+        p = max(p, min(16, self.capacity))
+        slots_R = np.full((rows,), self.slots, np.int32)  # padding rows → dropped
+        prompt_RxP = np.zeros((rows, p), np.int32)
+        len_R = np.ones((rows,), np.int32)
+        max_new_R = np.ones((rows,), np.int32)
+        for j, (slot, prompt, max_new) in enumerate(assignments):
+            slots_R[j], len_R[j], max_new_R[j] = slot, len(prompt), max_new
+            prompt_RxP[j, : len(prompt)] = prompt
+        return sp.prefill_slots(
+            *self._models(),
+            state,
+            jnp.asarray(slots_R),
+            jnp.asarray(prompt_RxP),
+            jnp.asarray(len_R),
+            jnp.asarray(max_new_R),
+            spec=self.spec,
+        )
+
+    def run(self, state, *, stop_on_finish: bool, max_steps: int = NO_LIMIT):
+        return sp.run_loop(
+            *self._models(),
+            state,
+            jnp.asarray(stop_on_finish),
+            jnp.asarray(max_steps, jnp.int32),
+            spec=self.spec,
+        )
+
+    # ---- host scheduler -------------------------------------------------------------------
+    def generate(self, requests: Sequence[tuple[Sequence[int], int]], *, seed=None) -> list:
+        """Decodes every (prompt_ids, max_new_tokens) request; results in request order."""
+        requests = [(list(map(int, p)), int(m)) for p, m in requests]
+        for i, (prompt, max_new) in enumerate(requests):
+            self.check_request(i, prompt, max_new)
+        state = self.init_state(self.seed if seed is None else seed)
+        queue = collections.deque(range(len(requests)))
+        free = list(range(self.slots))
+        owner: dict[int, int] = {}  # slot → request index
+        results: list[Result | None] = [None] * len(requests)
+        while queue or owner:
+            starts = []
+            while queue and free:
+                slot, i = free.pop(0), queue.popleft()
+                owner[slot] = i
+                starts.append((slot, *requests[i]))
+            if starts:
+                state = self._prefill(state, starts)
+            state, _ = self.run(state, stop_on_finish=bool(queue))
+            done_B = np.asarray(jax.device_get(state.done_B))
+            finished = [slot for slot in owner if done_B[slot]]
+            if finished:
+                self._harvest(state, finished, owner, results)
+                free.extend(finished)
+                free.sort()
+        return results
+
+    def _harvest(self, state, slots, owner, results):
+        out, n_out, acc, width, req, steps = jax.device_get(
+            (
+                state.out_BxC,
+                state.num_out_B,
+                state.accepted_BxC,
+                state.width_BxC,
+                state.request_BxC,
+                state.steps_B,
+            )
+        )
+        eos = set(self.eos_ids)
+        for slot in slots:
+            i = owner.pop(slot)
+            ids = out[slot, : n_out[slot]].tolist()
+            n = int(steps[slot])
+            results[i] = Result(
+                output_ids=ids,
+                accepted=acc[slot, :n].tolist(),
+                widths=width[slot, :n].tolist(),
+                requested_widths=req[slot, :n].tolist(),
+                steps=n,
+                finish_reason="eos" if ids and ids[-1] in eos else "length",
+            )

@@ -1,0 +1,363 @@
+"""Jitted speculative decoding over a fixed set of slots (DESIGN §5).
+
+Dimensions: B slots, K block size, W verify width (a bucket), V vocab, C cache capacity
+(also the per-slot output / statistics buffer length), R rows prefilled together, P padded
+prompt length, nD concatenated target features, E eos ids.
+
+Invariants of a live slot b (one request):
+- `bonus_B[b]` is the last committed token. Neither its target K/V nor its target features
+  exist yet: `target_cache.lengths[b] == context_cache.lengths[b]` == its position.
+- One step drafts K−1 tokens after the bonus, asks the policy for a width, runs the target on
+  [bonus, d_1..d_{W−1}] at a bucket width W chosen by `lax.switch` (one compiled program for
+  every width), accepts n drafts, commits n + 1 tokens (drafts + a new bonus), rolls the
+  target cache back to old + n + 1 and appends the n + 1 verified positions' features to the
+  drafter context.
+- Finished and free slots ride along masked: nothing they compute is committed.
+The plain path (`drafter is None`) uses the same state and scheduler with width 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from adaflash_jax.decode import acceptance
+from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
+from adaflash_jax.decode.sampling import logits_to_probs, sample_tokens
+from adaflash_jax.model.kv_cache import KVCache
+
+
+@struct.dataclass
+class SpecState:
+    target_cache: KVCache
+    context_cache: KVCache | None  # drafter context (None on the plain path)
+    bonus_B: jax.Array  # int32 last committed token
+    out_BxC: jax.Array  # int32 generated tokens, -1 past num_out
+    num_out_B: jax.Array  # int32
+    max_new_B: jax.Array  # int32
+    done_B: jax.Array  # bool: finished or free
+    eos_E: jax.Array  # int32 eos ids (-1 pads, never matches)
+    steps_B: jax.Array  # int32 verify steps of the slot's current request
+    accepted_BxC: jax.Array  # int32 accepted drafts per step, -1 past steps
+    width_BxC: jax.Array  # int32 batch verify width (bucket) per step
+    request_BxC: jax.Array  # int32 the row's requested width per step
+    temperature: jax.Array  # float32 scalar
+    top_p: jax.Array  # float32 scalar
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """Everything static about a compiled engine (hashable: a jit static argument)."""
+
+    block_size: int  # K (1 on the plain path)
+    buckets: tuple[int, ...]  # ascending verify widths, the last == K
+    greedy: bool
+    feature_layers: tuple[int, ...]
+    policy: object = FixedPolicy()
+    acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
+    use_length_head: bool = False
+
+    def __post_init__(self):
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.block_size:
+            raise ValueError(f"buckets {self.buckets} must ascend and end at K={self.block_size}")
+
+    @property
+    def accept_fn(self):
+        if self.acceptance is not None:
+            return self.acceptance
+        return acceptance.greedy_accept if self.greedy else acceptance.rejection_accept
+
+
+def bucket_set(buckets, block_size: int) -> tuple[int, ...]:
+    """The requested buckets clipped below K, with K itself always present."""
+    return tuple(sorted({int(b) for b in buckets if 1 <= int(b) < block_size} | {block_size}))
+
+
+def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p, seed) -> SpecState:
+    """All slots free (done). Buffers are `capacity` long: a request never outgrows it."""
+    eos = tuple(eos_ids) or (-1,)
+    zeros_BxC = jnp.full((slots, capacity), -1, jnp.int32)
+    return SpecState(
+        target_cache=target.init_cache(slots, capacity),
+        context_cache=None if drafter is None else drafter.init_context_cache(slots, capacity),
+        bonus_B=jnp.zeros((slots,), jnp.int32),
+        out_BxC=zeros_BxC,
+        num_out_B=jnp.zeros((slots,), jnp.int32),
+        max_new_B=jnp.zeros((slots,), jnp.int32),
+        done_B=jnp.ones((slots,), bool),
+        eos_E=jnp.asarray(eos, jnp.int32),
+        steps_B=jnp.zeros((slots,), jnp.int32),
+        accepted_BxC=zeros_BxC,
+        width_BxC=zeros_BxC,
+        request_BxC=zeros_BxC,
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        rng=jax.random.key(seed),
+    )
+
+
+# ---- one step ------------------------------------------------------------------------------
+def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
+    """Drafts, their sampling distribution q (None when greedy) and the requested widths."""
+    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+    logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
+    b, km1, v = logits_BxKm1xV.shape
+    if spec.greedy:
+        q_BxKm1xV = None
+        drafts_BxKm1 = jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32)
+    else:
+        temp = jnp.broadcast_to(s.temperature, (b * km1,))
+        top_p = jnp.broadcast_to(s.top_p, (b * km1,))
+        q_BxKm1xV = logits_to_probs(logits_BxKm1xV.reshape(b * km1, v), temp, top_p).reshape(
+            b, km1, v
+        )
+        drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
+    hidden = jax.lax.stop_gradient(d.hidden_BxKxD)
+    active_B = ~s.done_B
+    inp = PolicyInput(
+        hidden_BxKxD=hidden,
+        logits_BxKm1xV=logits_BxKm1xV,
+        length_r_B=drafter.length_head(hidden) if spec.use_length_head else None,
+        head_accept_BxKm1=None,
+        active_B=active_B,
+        num_running=jnp.sum(active_B.astype(jnp.int32)),
+    )
+    width_B = spec.policy.widths(inp, block_size=spec.block_size, buckets=spec.buckets)
+    width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
+    return drafts_BxKm1, q_BxKm1xV, width_B
+
+
+def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
+    """Target forward over the first W = buckets[bucket_idx] tokens, padded back to K."""
+    k = spec.block_size
+
+    def branch(w):
+        def run(cache):
+            out = target(
+                tokens_BxK[:, :w],
+                cache=cache,
+                num_new_B=jnp.zeros_like(cache.lengths),
+                feature_layers=spec.feature_layers,
+            )
+            pad = ((0, 0), (0, k - w), (0, 0))
+            feats = None if out.features_BxTxnD is None else jnp.pad(out.features_BxTxnD, pad)
+            return jnp.pad(out.logits_BxTxV.astype(jnp.float32), pad), feats, out.cache
+
+        return run
+
+    return jax.lax.switch(bucket_idx, [branch(w) for w in spec.buckets], cache)
+
+
+def _commit(s: SpecState, tokens_BxK, n_commit_B, active_B) -> SpecState:
+    """Appends each active row's first `n_commit` tokens, truncated after an EOS or at its
+    max-new-tokens; sets done flags."""
+    b, k = tokens_BxK.shape
+    c = s.out_BxC.shape[1]
+    j_K = jnp.arange(k, dtype=jnp.int32)[None, :]
+    valid_BxK = j_K < n_commit_B[:, None]
+    is_eos_BxK = jnp.any(tokens_BxK[..., None] == s.eos_E[None, None, :], axis=-1) & valid_BxK
+    first_eos_B = jnp.where(jnp.any(is_eos_BxK, axis=1), jnp.argmax(is_eos_BxK, axis=1), k)
+    keep_B = jnp.minimum(jnp.minimum(n_commit_B, s.max_new_B - s.num_out_B), first_eos_B + 1)
+    keep_B = jnp.where(active_B, keep_B, 0)
+    slot_BxK = jnp.where(j_K < keep_B[:, None], s.num_out_B[:, None] + j_K, c)
+    out_BxC = s.out_BxC.at[jnp.arange(b)[:, None], slot_BxK].set(tokens_BxK, mode="drop")
+    num_out_B = s.num_out_B + keep_B
+    hit_eos_B = first_eos_B < keep_B
+    done_B = s.done_B | (active_B & (hit_eos_B | (num_out_B >= s.max_new_B)))
+    return s.replace(out_BxC=out_BxC, num_out_B=num_out_B, done_B=done_B)
+
+
+def _record(s: SpecState, active_B, accepted_B, width, request_B) -> SpecState:
+    b, c = s.accepted_BxC.shape
+    rows_B = jnp.arange(b)
+    at_B = jnp.where(active_B, s.steps_B, c)
+    width_B = jnp.broadcast_to(width, (b,))
+    return s.replace(
+        accepted_BxC=s.accepted_BxC.at[rows_B, at_B].set(accepted_B, mode="drop"),
+        width_BxC=s.width_BxC.at[rows_B, at_B].set(width_B, mode="drop"),
+        request_BxC=s.request_BxC.at[rows_B, at_B].set(request_B, mode="drop"),
+        steps_B=s.steps_B + active_B.astype(jnp.int32),
+    )
+
+
+def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
+    """One draft → policy → verify → accept → commit → rollback step for all slots."""
+    active_B = ~s.done_B
+    rng, key_draft, key_accept = jax.random.split(s.rng, 3)
+    if drafter is None:
+        return _plain_step(target, s.replace(rng=rng), spec, key_accept)
+    drafts_BxKm1, q_BxKm1xV, width_B = _draft(drafter, target, s, spec, key_draft)
+    buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
+    bucket_idx = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
+    tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
+    logits_BxKxV, feats_BxKxnD, tcache = _verify(
+        target, tokens_BxK, s.target_cache, spec, bucket_idx
+    )
+    accepted_B, bonus_B = spec.accept_fn(
+        key_accept, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, s.temperature, s.top_p
+    )
+    accepted_B = jnp.where(active_B, accepted_B, 0).astype(jnp.int32)
+    n_commit_B = accepted_B + 1
+    j_K = jnp.arange(spec.block_size, dtype=jnp.int32)[None, :]
+    drafts_BxK = jnp.concatenate([drafts_BxKm1, jnp.zeros_like(drafts_BxKm1[:, :1])], axis=1)
+    committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
+    advance_B = jnp.where(active_B, n_commit_B, 0)
+    s = _commit(s, committed_BxK, n_commit_B, active_B)
+    s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], width_B)
+    return s.replace(
+        target_cache=tcache.with_lengths(s.target_cache.lengths + advance_B),
+        context_cache=drafter.append_context(s.context_cache, feats_BxKxnD, advance_B),
+        bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
+        rng=rng,
+    )
+
+
+def _pick(key, logits_BxV, s: SpecState, spec: EngineSpec):
+    if spec.greedy:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return sample_tokens(key, logits_BxV, s.temperature, s.top_p)
+
+
+def _plain_step(target, s: SpecState, spec: EngineSpec, key) -> SpecState:
+    active_B = ~s.done_B
+    advance_B = active_B.astype(jnp.int32)
+    out = target(s.bonus_B[:, None], cache=s.target_cache, num_new_B=advance_B)
+    tok_B = _pick(key, out.logits_BxTxV[:, 0].astype(jnp.float32), s, spec)
+    s = _commit(s, tok_B[:, None], jnp.ones_like(advance_B), active_B)
+    s = _record(s, active_B, jnp.zeros_like(advance_B), 1, jnp.ones_like(advance_B))
+    return s.replace(target_cache=out.cache, bonus_B=jnp.where(active_B, tok_B, s.bonus_B))
+
+
+# ---- prefill into slots --------------------------------------------------------------------
+def _scatter_rows(dst, src, slots_R):
+    """Writes src rows into dst at `slots_R`; out-of-range slots (padding rows) drop."""
+    return jax.tree.map(lambda d, x: d.at[slots_R].set(x.astype(d.dtype), mode="drop"), dst, src)
+
+
+def prefill(target, drafter, s: SpecState, slots_R, prompt_RxP, prompt_len_R, max_new_R, spec):
+    """Starts R requests in slots `slots_R` (padding rows carry slot index B: dropped).
+
+    Fresh caches for those rows: the prompt fills the target cache and its features the
+    drafter context; the first token comes from the prefill logits and becomes the bonus."""
+    r, _ = prompt_RxP.shape
+    capacity = s.target_cache.capacity
+    layers = spec.feature_layers if drafter is not None else ()
+    out = target(
+        prompt_RxP,
+        cache=target.init_cache(r, capacity, dtype=s.target_cache.k[0].dtype),
+        num_new_B=prompt_len_R,
+        feature_layers=layers,
+        compute_logits=False,
+    )
+    last_RxD = out.hidden_BxTxD[jnp.arange(r), prompt_len_R - 1]
+    rng, key = jax.random.split(s.rng)
+    first_R = _pick(key, target.logits(last_RxD[:, None])[:, 0].astype(jnp.float32), s, spec)
+    ctx = s.context_cache
+    if drafter is not None:
+        fresh = drafter.init_context_cache(r, capacity, dtype=ctx.k[0].dtype)
+        ctx = _scatter_rows(
+            ctx, drafter.append_context(fresh, out.features_BxTxnD, prompt_len_R), slots_R
+        )
+    c = s.out_BxC.shape[1]
+    blank_RxC = jnp.full((r, c), -1, jnp.int32)
+    zero_R = jnp.zeros((r,), jnp.int32)
+    s = s.replace(
+        target_cache=_scatter_rows(s.target_cache, out.cache, slots_R),
+        context_cache=ctx,
+        bonus_B=_scatter_rows(s.bonus_B, first_R, slots_R),
+        out_BxC=_scatter_rows(s.out_BxC, blank_RxC, slots_R),
+        num_out_B=_scatter_rows(s.num_out_B, zero_R, slots_R),
+        max_new_B=_scatter_rows(s.max_new_B, max_new_R, slots_R),
+        done_B=_scatter_rows(s.done_B, jnp.zeros((r,), bool), slots_R),
+        steps_B=_scatter_rows(s.steps_B, zero_R, slots_R),
+        accepted_BxC=_scatter_rows(s.accepted_BxC, blank_RxC, slots_R),
+        width_BxC=_scatter_rows(s.width_BxC, blank_RxC, slots_R),
+        request_BxC=_scatter_rows(s.request_BxC, blank_RxC, slots_R),
+        rng=rng,
+    )
+    started_B = _scatter_rows(jnp.zeros_like(s.done_B), jnp.ones((r,), bool), slots_R)
+    ones_B = jnp.ones_like(s.num_out_B)
+    return _commit(s, s.bonus_B[:, None], ones_B, started_B)
+
+
+# ---- jitted entry points ---------------------------------------------------------------------
+def _models(tdef, tstate, ddef, dstate):
+    return nnx.merge(tdef, tstate), (None if ddef is None else nnx.merge(ddef, dstate))
+
+
+def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
+    target, drafter = _models(tdef, tstate, ddef, dstate)
+
+    def cond(carry):
+        s, it, finished = carry
+        return jnp.any(~s.done_B) & (it < max_steps) & ~(stop_on_finish & (finished > 0))
+
+    def body(carry):
+        s, it, finished = carry
+        before_B = ~s.done_B
+        s = spec_step(target, drafter, s, spec)
+        return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
+
+    s, steps, _ = jax.lax.while_loop(cond, body, (s, jnp.int32(0), jnp.int32(0)))
+    return s, steps
+
+
+def _step(tdef, tstate, ddef, dstate, s, *, spec):
+    target, drafter = _models(tdef, tstate, ddef, dstate)
+    return spec_step(target, drafter, s, spec)
+
+
+def _prefill(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, *, spec):
+    target, drafter = _models(tdef, tstate, ddef, dstate)
+    return prefill(target, drafter, s, slots_R, prompt_RxP, len_R, max_new_R, spec)
+
+
+_STATIC = ("tdef", "ddef", "spec")
+_IMPLS = {"run_loop": _loop, "step": _step, "prefill_slots": _prefill}
+_JITTED: dict = {}
+
+
+def jitted(name: str):
+    """The jitted entry point `name`, built on first use: the state is donated where the
+    backend reuses buffers (caches update in place); CPU would only warn, so not there."""
+    if name not in _JITTED:
+        donate = () if jax.default_backend() == "cpu" else ("s",)
+        _JITTED[name] = jax.jit(_IMPLS[name], static_argnames=_STATIC, donate_argnames=donate)
+    return _JITTED[name]
+
+
+def run_loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
+    """Steps until no slot is active, `max_steps` ran, or (if `stop_on_finish`) a slot
+    finished. Returns (state, steps run)."""
+    return jitted("run_loop")(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, spec=spec)
+
+
+def step(tdef, tstate, ddef, dstate, s, *, spec):
+    return jitted("step")(tdef, tstate, ddef, dstate, s, spec=spec)
+
+
+def prefill_slots(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, *, spec):
+    return jitted("prefill_slots")(
+        tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, spec=spec
+    )
+
+
+def compiled_programs() -> dict[str, int]:
+    """Compiled-program counts of the jitted entry points (for no-recompile checks)."""
+    return {name: jitted(name)._cache_size() for name in _IMPLS}
+
+
+@functools.cache
+def length_buckets(capacity: int, smallest: int = 16) -> tuple[int, ...]:
+    """Padded prompt lengths: powers of two from `smallest`, capped by the capacity."""
+    out, p = [], smallest
+    while p < capacity:
+        out.append(p)
+        p *= 2
+    return tuple(out + [capacity])

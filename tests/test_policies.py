@@ -1,0 +1,209 @@
+"""Length policies and the verify-cost table: pure-function checks (no decode loop)."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.decode import policies, verify_cost
+from adaflash_jax.decode.policies import (
+    AdaFlashPolicy,
+    FixedPolicy,
+    GoodputPolicy,
+    PolicyError,
+    PolicyInput,
+)
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+
+K = 8
+BUCKETS = (1, 2, 4, 8)
+TABLE = VerifyCostTable(
+    rows=(1, 4, 16),
+    widths=BUCKETS,
+    verify_ms=((1.0, 1.05, 1.1, 1.3), (1.2, 1.5, 2.0, 3.0), (2.0, 3.5, 6.0, 11.0)),
+    draft_ms=(0.3, 0.5, 1.0),
+    device="synthetic",
+)
+
+
+def _input(b=5, accept=None, r=None, active=None, seed=0):
+    key = jax.random.key(seed)
+    active = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
+    return PolicyInput(
+        hidden_BxKxD=jnp.zeros((b, K, 4)),
+        logits_BxKm1xV=jax.random.normal(key, (b, K - 1, 16)) * 3,
+        length_r_B=None if r is None else jnp.asarray(r, jnp.float32),
+        head_accept_BxKm1=None if accept is None else jnp.asarray(accept, jnp.float32),
+        active_B=active,
+        num_running=jnp.sum(active.astype(jnp.int32)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _widths(policy, inp):
+    return policy.widths(inp, block_size=K, buckets=BUCKETS)
+
+
+def _brute_force_width(accept_BxKm1, active_B, table, buckets):
+    n = int(np.sum(active_B))
+    best, best_rate = None, -1.0
+    for w in buckets:
+        total = 0.0
+        for a_row, on in zip(accept_BxKm1, active_B):
+            if on:
+                total += 1.0 + sum(np.prod(a_row[:i]) for i in range(1, w))
+        cost = table.verify(n, w) + float(np.interp(n, table.rows, table.draft_ms))
+        if total / cost > best_rate + 1e-9:
+            best, best_rate = w, total / cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_goodput_picks_the_optimal_width(seed):
+    rng = np.random.default_rng(seed)
+    b = 12
+    profile = rng.uniform(0.2, 1.0, size=(b, 1)) ** rng.uniform(0.2, 3.0)
+    accept = np.clip(profile * rng.uniform(0.6, 1.0, size=(b, K - 1)), 0, 1)
+    active = rng.random(b) < 0.8
+    active[0] = True
+    policy = GoodputPolicy(cost=TABLE, estimator="head")
+    w = _widths(policy, _input(b, accept=accept, active=active))
+    want = _brute_force_width(accept, active, TABLE, BUCKETS)
+    assert set(np.asarray(w).tolist()) == {want}
+
+
+def test_goodput_follows_acceptance_and_cost():
+    policy = GoodputPolicy(cost=TABLE, estimator="head")
+    sure, hopeless = np.ones((3, K - 1)), np.zeros((3, K - 1))
+    # Certain drafts at low load: the widest block wins; hopeless drafts: width 1.
+    assert int(_widths(policy, _input(3, accept=sure))[0]) == 8
+    assert int(_widths(policy, _input(3, accept=hopeless))[0]) == 1
+    # Certain drafts at 16 rows: verification is compute-bound (width 8 costs 11 ms), so a
+    # narrower bucket wins; it must be the brute-force optimum.
+    got = _widths(policy, _input(16, accept=np.ones((16, K - 1))))
+    assert int(got[0]) == _brute_force_width(np.ones((16, K - 1)), np.ones(16), TABLE, BUCKETS)
+
+
+def test_expected_committed_formula():
+    a = jnp.array([[1.0] * (K - 1), [0.0] * (K - 1), [0.5] * (K - 1)])
+    e = np.asarray(policies.expected_committed(a, BUCKETS))
+    np.testing.assert_allclose(e[0], [1, 2, 4, 8])
+    np.testing.assert_allclose(e[1], [1, 1, 1, 1])
+    np.testing.assert_allclose(e[2], [1, 1.5, 1.875, 1 + sum(0.5**i for i in range(1, 8))])
+
+
+def test_length_head_profile_matches_the_predicted_length():
+    r = jnp.array([1 / K, 0.5, 0.8, 1.0])
+    a = np.asarray(policies.length_head_accept_probs(r, K))
+    mean_accepted = np.sum(np.cumprod(a, axis=1), axis=1)
+    np.testing.assert_allclose(mean_accepted, np.asarray(r) * K - 1, atol=1e-3)
+
+
+def test_confidence_estimator_is_the_drafter_top_probability():
+    inp = _input(2)
+    a = policies.accept_probs(inp, "confidence", K)
+    np.testing.assert_allclose(a, jax.nn.softmax(inp.logits_BxKm1xV, -1).max(-1), rtol=1e-6)
+
+
+def test_fixed_and_adaflash_widths():
+    inp = _input(3, r=[0.05, 0.3, 0.9])
+    assert np.asarray(FixedPolicy().widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [8] * 3
+    # 3 running rows: below the threshold the reference verifies the whole block.
+    ada = AdaFlashPolicy(threshold=2)
+    assert np.asarray(ada.widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [1, 3, 8]
+    off = AdaFlashPolicy(threshold=3)
+    assert np.asarray(off.widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [8] * 3
+
+
+@pytest.mark.parametrize("estimator", ["confidence", "length_head"])
+def test_goodput_widths_stay_in_bucket_set(estimator):
+    policy = GoodputPolicy(cost=TABLE, estimator=estimator)
+    for seed in range(4):
+        inp = _input(6, r=np.linspace(0.05, 1.0, 6), seed=seed)
+        w = np.asarray(_widths(policy, inp))
+        assert len(set(w.tolist())) == 1 and w[0] in BUCKETS
+
+
+def test_policy_errors():
+    with pytest.raises(PolicyError, match="verify-cost table"):
+        policies.make_policy("goodput")
+    with pytest.raises(PolicyError, match="unknown policy"):
+        policies.make_policy("eagle")
+    with pytest.raises(PolicyError, match="estimator"):
+        GoodputPolicy(cost=TABLE, estimator="vibes")
+    with pytest.raises(PolicyError, match="missing buckets"):
+        GoodputPolicy(cost=TABLE).validate(buckets=(1, 3), slots=2, has_length_head=True)
+    with pytest.raises(PolicyError, match="length head"):
+        AdaFlashPolicy().validate(buckets=BUCKETS, slots=2, has_length_head=False)
+
+
+# ---- verify-cost table -------------------------------------------------------------------------
+def test_cost_table_json_round_trip_and_interpolation(tmp_path):
+    path = tmp_path / "t.json"
+    TABLE.save(path)
+    assert VerifyCostTable.load(path) == TABLE
+    ms = np.asarray(jax.jit(TABLE.step_ms, static_argnums=1)(jnp.int32(10), (1, 8)))
+    # 10 rows: halfway between the 4- and 16-row measurements
+    np.testing.assert_allclose(ms, [(1.2 + 2.0) / 2 + 0.75, (3.0 + 11.0) / 2 + 0.75], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(TABLE.step_ms(64, (2,))), [3.5 + 1.0])  # clamped
+    with pytest.raises(ValueError, match="ascending"):
+        VerifyCostTable(rows=(4, 1), widths=(1,), verify_ms=((1,), (1,)), draft_ms=(0, 0))
+    with pytest.raises(ValueError, match="one row per"):
+        VerifyCostTable(rows=(1,), widths=(1, 2), verify_ms=((1,),), draft_ms=(0,))
+    with pytest.raises(ValueError, match="format"):
+        VerifyCostTable.from_json({"rows": [1]})
+
+
+def test_forward_ms_json_import(tmp_path):
+    cells = [
+        {"B": b, "T": t, "ctx": c, "ms": float(b * t + c)}
+        for b in (1, 8)
+        for t in (1, 2)
+        for c in (1024, 4096)
+    ]
+    path = tmp_path / "fwd.json"
+    path.write_text(
+        json.dumps({"device": "H200", "shape": {"layers": 36}, "target_forward_ms": cells})
+    )
+    table = verify_cost.from_forward_ms_json(path, ctx=1024, draft_ms=(2.6, 4.0))
+    assert table.rows == (1, 8) and table.widths == (1, 2)
+    assert table.verify(8, 2) == 16 + 1024 and table.draft_ms == (2.6, 4.0)
+
+
+def test_calibration_measures_and_caches(tmp_path, monkeypatch):
+    cfg = TargetConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    target = TargetLM(cfg, rngs=nnx.Rngs(0))
+    dcfg = DrafterConfig.for_target(
+        cfg, mask_token_id=63, num_layers=1, block_size=4, num_features=2
+    )
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
+    kw = dict(slots=1, widths=(1, 4), context_len=8, repeats=2, cache_dir=str(tmp_path))
+    table = verify_cost.load_or_calibrate(target, drafter, **kw)
+    assert table.rows == (1,) and table.widths == (1, 4)
+    assert all(ms > 0 for row in table.verify_ms for ms in row) and min(table.draft_ms) > 0
+    assert table.device == verify_cost.device_kind()
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and "s1" in files[0].name
+
+    def no_calibration(*a, **k):
+        raise AssertionError("cached table should have been loaded")
+
+    monkeypatch.setattr(verify_cost, "calibrate", no_calibration)
+    assert verify_cost.load_or_calibrate(target, drafter, **kw) == table
+    assert verify_cost.load_or_calibrate(target, drafter, **kw, path=files[0]) == table

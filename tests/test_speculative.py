@@ -1,0 +1,235 @@
+"""Speculative engine, greedy: lossless against plain decoding, statistics, no recompiles,
+continuous batching, and request validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.generate import generate
+from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter, DraftOutput
+from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.target import TargetLM
+
+V = 128
+CFG = TargetConfig(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
+CAPACITY = 64
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9], list(range(20, 32))]
+MAX_NEW = [9, 6, 13, 3, 11]  # not multiples of the block: max-tokens lands inside blocks
+
+
+class TableDrafter(nnx.Module):
+    """Test double with the drafter's serving interface: drafts by iterating a next-token
+    table from the bonus token (content-based, so it works in any slot). One-hot logits."""
+
+    def __init__(self, config: DrafterConfig, next_V):
+        self.config = config
+        self.table = nnx.Param(jnp.asarray(next_V, jnp.int32))
+        self.length_head = None
+
+    def init_context_cache(self, batch, capacity, dtype=None):
+        return KVCache.create(
+            num_layers=1, batch=batch, capacity=1, kv_heads=1, head_dim=2, dtype=jnp.float32
+        )
+
+    def append_context(self, cache, features_BxTxnD, num_new_B=None):
+        t = features_BxTxnD.shape[1]
+        advance = jnp.full_like(cache.lengths, t) if num_new_B is None else num_new_B
+        return cache.with_lengths(cache.lengths + advance)
+
+    def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
+        table, tok, drafts = self.table[...], bonus_B, []
+        for _ in range(self.config.block_size - 1):
+            tok = table[tok]
+            drafts.append(tok)
+        logits = 20.0 * jax.nn.one_hot(jnp.stack(drafts, axis=1), V)
+        hidden = jnp.zeros((bonus_B.shape[0], self.config.block_size, self.config.hidden_size))
+        return DraftOutput(hidden_BxKxD=hidden, logits_BxKm1xV=logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class WobblePolicy:
+    """Test policy: a width that varies with the drafter's first logits (never the tokens
+    sampled), to exercise every bucket."""
+
+    name = "wobble"
+    needs_length_head = False
+
+    def validate(self, **_):
+        pass
+
+    def widths(self, inp, *, block_size, buckets):
+        top_B = jnp.argmax(inp.logits_BxKm1xV[:, 0], axis=-1)
+        return (1 + top_B % block_size).astype(jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetLM(CFG, rngs=nnx.Rngs(0))
+
+
+def _drafter_cfg(block_size):
+    return DrafterConfig.for_target(
+        CFG, mask_token_id=V - 1, num_layers=1, block_size=block_size, num_features=2
+    )
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return Drafter(_drafter_cfg(4), rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Plain greedy outputs (helper generate), without and with an EOS id that occurs in the
+    middle of request 0's continuation."""
+    plain = generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=())
+    eos = plain[0][4]
+    with_eos = generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_ids=(eos,))
+    assert len(with_eos[0]) == plain[0].index(eos) + 1 < len(plain[0])
+    return {"plain": plain, "eos": eos, "with_eos": with_eos}
+
+
+@pytest.fixture(scope="module")
+def bigram(reference):
+    """Most frequent successor of each token in the reference outputs: a drafter built from
+    it is often right, so acceptance really happens (and is ragged)."""
+    counts = np.zeros((V, V), np.int64)
+    for prompt, out in zip(PROMPTS, reference["plain"]):
+        seq = prompt + out
+        for a, b in zip(seq[:-1], seq[1:]):
+            counts[a, b] += 1
+    return np.where(counts.sum(1) > 0, counts.argmax(1), (np.arange(V) + 1) % V)
+
+
+def _requests():
+    return list(zip(PROMPTS, MAX_NEW))
+
+
+def _check_stats(results, engine):
+    for r in results:
+        assert r.steps == len(r.accepted) == len(r.widths) == len(r.requested_widths)
+        assert set(r.widths) <= set(engine.buckets)
+        assert all(1 <= q <= w for q, w in zip(r.requested_widths, r.widths))
+        assert all(0 <= a < q for a, q in zip(r.accepted, r.requested_widths))
+        # every step commits accepted+1 tokens (the last one may be cut by EOS / max-new)
+        committed = sum(a + 1 for a in r.accepted)
+        assert committed >= len(r.output_ids) - 1 > committed - engine.block_size
+
+
+@pytest.mark.parametrize("block_size,slots,buckets", [(4, 2, (1, 2, 4)), (8, 3, (2, 8))])
+def test_greedy_lossless_random_drafter(target, drafter, reference, block_size, slots, buckets):
+    kw = dict(slots=slots, capacity=CAPACITY, block_size=block_size, buckets=buckets)
+    engine = SpeculativeEngine(target, drafter, eos_ids=(), **kw)
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
+    _check_stats(results, engine)
+    eos_engine = SpeculativeEngine(target, drafter, eos_ids=(reference["eos"],), **kw)
+    results = eos_engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["with_eos"]
+    assert results[0].finish_reason == "eos"
+
+
+@pytest.fixture(scope="module")
+def table_engine(target, bigram):
+    drafter = TableDrafter(_drafter_cfg(4), bigram)
+    return SpeculativeEngine(target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4))
+
+
+def test_oracle_drafter_accepts_and_stays_lossless(table_engine, reference):
+    results = table_engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    accepted = [a for r in results for a in r.accepted]
+    assert np.mean(accepted) + 1 > 1.5, "the bigram drafter should be right often"
+    assert 0 in accepted or min(accepted) < 3, "acceptance should be ragged, not all-or-none"
+    _check_stats(results, table_engine)
+
+
+def test_oracle_drafter_eos_inside_block(target, bigram, reference):
+    drafter = TableDrafter(_drafter_cfg(4), bigram)
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), eos_ids=(reference["eos"],)
+    )
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["with_eos"]
+
+
+def test_adversarial_drafter_is_lossless(target, reference):
+    seen = {t for out in reference["plain"] for t in out}
+    never = next(t for t in range(V) if t not in seen)
+    drafter = TableDrafter(_drafter_cfg(4), np.full((V,), never))  # always wrong
+    engine = SpeculativeEngine(target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4))
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    assert all(r.tau == 1.0 for r in results if r.steps)
+
+
+def test_continuous_batching_equals_each_request_alone(table_engine):
+    requests = _requests()  # 5 requests through 2 slots
+    together = table_engine.generate(requests)
+    for req, res in zip(requests, together):
+        (alone,) = table_engine.generate([req])
+        assert alone.output_ids == res.output_ids
+        assert alone.accepted == res.accepted  # same drafts, same verification
+
+
+def test_no_recompiles_with_varying_widths(target, bigram, reference):
+    drafter = TableDrafter(_drafter_cfg(8), bigram)
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4, 8), policy=WobblePolicy()
+    )
+    first = engine.generate(_requests())  # warm-up
+    assert [r.output_ids for r in first] == reference["plain"]
+    warm = sp.compiled_programs()
+    widths = set()
+    for shift in range(3):  # different prompts, lengths, budgets → different widths
+        reqs = [([(t + shift) % V for t in p], m + shift) for p, m in _requests()]
+        widths |= {w for r in engine.generate(reqs) for w in r.widths}
+    assert len(widths) >= 3, f"the test should exercise several buckets, saw {widths}"
+    assert sp.compiled_programs() == warm
+
+
+def test_plain_path_matches_generate(target, reference):
+    engine = SpeculativeEngine(target, None, slots=2, capacity=CAPACITY)
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    assert all(set(r.widths) == {1} and set(r.accepted) == {0} for r in results)
+
+
+def test_requests_are_validated_before_compute(target, drafter):
+    engine = SpeculativeEngine(target, drafter, slots=2, capacity=CAPACITY, buckets=(4,))
+    with pytest.raises(EngineError, match="exceeds the cache capacity"):
+        engine.generate([([1, 2], 5), (list(range(40)), 30)])
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.generate([([1, V], 5)])
+    with pytest.raises(EngineError, match="empty prompt"):
+        engine.generate([([], 5)])
+    with pytest.raises(EngineError, match="max_new_tokens"):
+        engine.generate([([1], 0)])
+    with pytest.raises(EngineError, match="max_position_embeddings"):
+        SpeculativeEngine(target, drafter, slots=2, capacity=512)
+    with pytest.raises(EngineError, match="length head"):
+        no_head = Drafter(dataclasses.replace(_drafter_cfg(4), length_head=None), rngs=nnx.Rngs(2))
+        SpeculativeEngine(target, no_head, slots=2, capacity=CAPACITY, policy="adaflash")
+    other = TargetLM(dataclasses.replace(CFG, num_hidden_layers=1), rngs=nnx.Rngs(3))
+    with pytest.raises(ConfigError, match="layer"):
+        SpeculativeEngine(other, drafter, slots=2, capacity=CAPACITY)
+    assert sp.bucket_set((1, 2, 4, 8, 16), 10) == (1, 2, 4, 8, 10)
+    assert sp.bucket_set((1, 2, 4, 8, 16), 4) == (1, 2, 4)
