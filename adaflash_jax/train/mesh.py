@@ -1,0 +1,88 @@
+"""Device mesh and multi-process start-up for training.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with fully sharded weights and
+optimizer state), `tensor` (weights split inside each layer). Axes are explicitly
+`AxisType.Auto`: jax >= 0.10 defaults to Explicit axes, which would demand sharding-aware
+code everywhere; Auto lets XLA propagate the shardings fixed at the jit boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+from jax.sharding import Mesh
+
+AXES = ("data", "fsdp", "tensor")
+log = logging.getLogger(__name__)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all). One axis may be -1 (fill)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh axis {name}={size} must be a positive size or -1 (fill)")
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"only one mesh axis may be -1 (fill), got {fill}")
+    fixed = 1
+    for size in sizes.values():
+        fixed *= size if size > 0 else 1
+    if fill:
+        if n % fixed:
+            named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 0)
+            raise ValueError(
+                f"{n} devices cannot be split with {named}: their product {fixed} does not "
+                f"divide the device count, so mesh axis {fill[0]!r} cannot be filled"
+            )
+        sizes[fill[0]] = n // fixed
+    elif fixed != n:
+        raise ValueError(
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {fixed} devices, but "
+            f"{n} devices are available; change one of data/fsdp/tensor (or set one to -1)"
+        )
+    shape = tuple(sizes[a] for a in AXES)
+    return jax.make_mesh(
+        shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
+    )
+
+
+_MULTI_PROCESS_ENV = (
+    "COORDINATOR_ADDRESS",
+    "JAX_COORDINATOR_ADDRESS",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
+
+
+def _detected_multi_process() -> bool:
+    if any(os.environ.get(v) for v in _MULTI_PROCESS_ENV):
+        return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if len([h for h in hosts.split(",") if h.strip()]) > 1:
+        return True
+    for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if int(os.environ.get(v, "1") or 1) > 1:
+            return True
+    return False
+
+
+def maybe_initialize_distributed(force: bool | None = None) -> bool:
+    """Calls `jax.distributed.initialize()` for multi-process runs; a no-op otherwise.
+
+    force=True always initializes, force=False never does, None detects a multi-process
+    launch from the environment (coordinator address, multi-host TPU, SLURM, Open MPI).
+    Returns whether this call initialized the distributed runtime. Must run before any
+    other jax call that touches devices.
+    """
+    wanted = _detected_multi_process() if force is None else force
+    if not wanted:
+        return False
+    if jax.distributed.is_initialized():
+        return False
+    jax.distributed.initialize()
+    log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    return True
