@@ -154,7 +154,8 @@ def test_sampled_while_loop_equals_python_loop(model):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, V, n).tolist() for n in (5, 11, 8)]
     temps, top_ps, max_new = [0.0, 0.8, 1.5], [1.0, 0.9, 1.0], [9, 12, 6]
-    greedy = generate(model, prompts[:1], max_new_tokens=9, eos_ids=())[0]
+    no_eos, _ = _python_loop_reference(model, prompts, max_new, temps, top_ps, (), 7)
+    greedy = no_eos[0]
     eos = (greedy[4],)  # row 0 (greedy) must stop at its 5th token or earlier
     expected, ref_cache = _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, 7)
     graphdef, state = split_target(model)

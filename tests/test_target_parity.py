@@ -75,6 +75,8 @@ def _hf_model(variant: str):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """variant → (HF model, saved directory)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core box
     torch.manual_seed(0)
     out = {}
     for variant in VARIANTS:
@@ -82,7 +84,8 @@ def hf_dirs(tmp_path_factory):
         path = tmp_path_factory.mktemp(variant)
         model.save_pretrained(path)
         out[variant] = (model, str(path))
-    return out
+    yield out
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -113,21 +116,30 @@ def test_logits_and_hidden_states_match_transformers(hf_dirs, tokens, variant):
     np.testing.assert_allclose(np.asarray(out.hidden_BxTxD), hf_hidden[3], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_greedy_generation_matches_transformers(hf_dirs, variant):
-    hf_model, path = hf_dirs[variant]
+@pytest.fixture(scope="module")
+def hf_greedy(hf_dirs):
+    """variant → (two prompts, transformers' 32 greedy tokens for each)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, V, 5).tolist(), rng.integers(1, V, 9).tolist()]
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            seq = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
-            )
-        expected.append(seq[0, len(prompt) :].tolist())
-    assert all(len(e) == 32 for e in expected)
+    out = {}
+    for variant, (hf_model, _) in hf_dirs.items():
+        expected = []
+        for prompt in prompts:
+            with torch.no_grad():
+                seq = hf_model.generate(
+                    torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
+                )
+            expected.append(seq[0, len(prompt) :].tolist())
+        assert all(len(e) == 32 for e in expected)
+        out[variant] = (prompts, expected)
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_generation_matches_transformers(hf_dirs, hf_greedy, variant):
+    prompts, expected = hf_greedy[variant]
     # Both prompts in ONE ragged batch.
-    got = generate(load_target(path), prompts, max_new_tokens=32, eos_ids=())
+    got = generate(load_target(hf_dirs[variant][1]), prompts, max_new_tokens=32, eos_ids=())
     assert got == expected
 
 
@@ -174,6 +186,13 @@ def test_sharded_loading_gives_same_logits(hf_dirs, tokens, shape, names, rules)
     hf_logits, _ = _hf_forward(hf_model, tokens)
     logits = jax.jit(lambda m, t: m(t).logits_BxTxV)(model, jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(logits), hf_logits, atol=1e-4, rtol=0)
+
+
+def test_sharded_generate_matches_transformers(hf_dirs, hf_greedy):
+    prompts, expected = hf_greedy["qwen3_untied"]
+    mesh = _mesh((2, 4), ("data", "tensor"))
+    model = load_target(hf_dirs["qwen3_untied"][1], mesh=mesh, rules=DECODE_RULES)
+    assert generate(model, prompts, max_new_tokens=32, eos_ids=()) == expected
 
 
 def test_sharded_checkpoint_with_index_loads(hf_dirs, tokens, tmp_path):
