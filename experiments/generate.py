@@ -50,7 +50,7 @@ def random_tiny_target_dir() -> str:
     from adaflash_jax.model.config import TargetConfig
     from adaflash_jax.model.target import TargetLM
 
-    cache = os.environ.get("ADAFLASH_JAX_CACHE", os.path.expanduser("~/.cache/adaflash_jax"))
+    cache = os.environ.get("ADAFLASH_CACHE", os.path.expanduser("~/.cache/adaflash_jax"))
     path = os.path.join(cache, "random_tiny")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         vocab = write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
