@@ -1,0 +1,344 @@
+"""The distillation run config: one frozen dataclass tree, checked before any compute.
+
+A config file (`experiments/configs/<name>.py`) defines `get_config() -> RunConfig`; the CLI
+applies dotted overrides (`stage1.steps=10`) with `override`. `check_static` runs at
+construction (field ranges, names); `check_runtime` runs once the device count and target are
+known but before anything is compiled, and names the offending field in every message.
+
+The memory planner (`adaflash_jax.plan`) reads the flat attributes `mesh`, `batch_size`,
+`seq_len`, `num_anchors`, `block_size`, `drafter_layers`, `target_layer_ids`, `num_features`,
+`target_path` and `target_shape` duck-typed; they are fields or properties here.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import math
+import os
+import types
+import typing
+from typing import Any
+
+from adaflash_jax.distill.losses import OBJECTIVES
+from adaflash_jax.model.config import ConfigError, TargetConfig
+
+METHODS = ("stage1", "adaflash", "sft", "fkl")  # fkl: forward-KL comparison (opt-in)
+STAGE2_OBJECTIVE = {"adaflash": "rkl", "sft": "sft", "fkl": "fkl"}
+MAX_BLOCK_SIZE = 32
+DTYPES = ("float32", "bfloat16")
+
+
+def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name} must be {bound}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Prompts and regenerated responses. `None` paths mean the embedded corpus."""
+
+    train_prompts: str | None = None  # JSONL (`prompt` / ShareGPT) or plain text
+    eval_prompts: str | None = None
+    chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's template
+    domains: tuple[str, ...] = ()  # () → every domain the prompts carry
+    train_per_domain: int = 64  # prompts regenerated per domain for stage 1 / head init
+    eval_per_domain: int = 8
+    max_prompt_len: int = 64  # longer prompts keep their last tokens
+    max_new_tokens: int = 64  # regeneration length (greedy target responses)
+    regen_batch: int = 32
+
+    def __post_init__(self):
+        object.__setattr__(self, "domains", tuple(self.domains))
+        _positive(
+            "data",
+            self,
+            "train_per_domain",
+            "eval_per_domain",
+            "max_prompt_len",
+            "max_new_tokens",
+            "regen_batch",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftSpec:
+    """Drafter architecture, or `init_from` an existing DFlash/AdaFlash export."""
+
+    layers: int = 5
+    block_size: int = 16
+    num_features: int = 5
+    target_layer_ids: tuple[int, ...] | None = None  # None → DESIGN §2 defaults
+    mask_token_id: int | None = None  # None → the tokenizer's mask token
+    init_from: str | None = None  # skips stage 1; a missing length head starts fresh
+
+    def __post_init__(self):
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        _positive("draft", self, "layers", "num_features")
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(
+                f"draft.block_size {self.block_size} is not supported: the drafter needs "
+                f"2 <= block_size <= {MAX_BLOCK_SIZE}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage1Spec:
+    steps: int = 200
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        _positive("stage1", self, "steps", "weight_decay", allow_zero=True)
+        _positive("stage1", self, "lr", "clip_norm")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError(f"stage1.warmup_fraction must be in [0, 1): {self.warmup_fraction}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadInitSpec:
+    steps: int = 100
+    lr: float = 1e-3
+
+    def __post_init__(self):
+        _positive("head_init", self, "steps", allow_zero=True)
+        _positive("head_init", self, "lr")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage2Spec:
+    """On-policy rounds: collect with the current drafter, then train `steps_per_round`."""
+
+    rounds: int = 2
+    steps_per_round: int = 50
+    prompts_per_round: int = 64  # training prompts decoded per collection round
+    lr: float = 3e-4
+    head_lr: float = 2e-4
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    alpha: float = 0.8
+    tau: float = 0.01  # clips KL/Nw (see losses.py)
+    temperature: float = 1.0
+    collect_temperature: float = 0.0  # 0: greedy collection (lossless → target's own text)
+    collect_slots: int = 16
+    max_new_tokens: int = 64
+    methods: tuple[str, ...] = ("adaflash", "sft")  # each runs its own rounds, same compute
+
+    def __post_init__(self):
+        object.__setattr__(self, "methods", tuple(self.methods))
+        _positive("stage2", self, "rounds", "steps_per_round", "weight_decay", allow_zero=True)
+        _positive("stage2", self, "prompts_per_round", "lr", "head_lr", "clip_norm", "temperature")
+        _positive("stage2", self, "collect_slots", "max_new_tokens")
+        _positive("stage2", self, "collect_temperature", allow_zero=True)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"stage2.alpha must be in [0, 1], got {self.alpha}")
+        if not self.tau > 0:
+            raise ConfigError(f"stage2.tau must be positive, got {self.tau}")
+        for m in self.methods:
+            if m not in STAGE2_OBJECTIVE:
+                raise ConfigError(
+                    f"stage2.methods has {m!r}; choose from {tuple(STAGE2_OBJECTIVE)}"
+                )
+        assert set(STAGE2_OBJECTIVE.values()) <= set(OBJECTIVES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSpec:
+    max_new_tokens: int = 64
+    slots: int = 16
+
+    def __post_init__(self):
+        _positive("eval", self, "max_new_tokens", "slots")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    every: int = 100  # steps between saves; every stage also saves at its end
+    keep: int = 2
+    async_save: bool = True
+
+    def __post_init__(self):
+        _positive("checkpoint", self, "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "run"
+    target_path: str | None = None  # HF directory; None → the embedded tiny target
+    target_shape: str | None = None  # planner preset name when the weights are elsewhere
+    run_dir: str | None = None  # None → runs/<name>-<timestamp>
+    seed: int = 0
+    mesh: tuple[int, int, int] = (-1, 1, 1)  # (data, fsdp, tensor); one -1 fills
+    batch_size: int = 8  # global sequences per step
+    seq_len: int = 128  # prompt + response tokens per training sequence
+    num_anchors: int = 8  # blocks per sequence
+    compute_dtype: str = "float32"  # master weights are always float32
+    data: DataSpec = DataSpec()
+    draft: DraftSpec = DraftSpec()
+    stage1: Stage1Spec = Stage1Spec()
+    head_init: HeadInitSpec = HeadInitSpec()
+    stage2: Stage2Spec = Stage2Spec()
+    eval: EvalSpec = EvalSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    log_every: int = 10
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
+        if len(self.mesh) != 3 or any(m == 0 or m < -1 for m in self.mesh):
+            raise ConfigError(f"mesh must be three sizes (data, fsdp, tensor), got {self.mesh}")
+        if self.mesh.count(-1) > 1:
+            raise ConfigError(f"mesh may have one -1 (fill) axis, got {self.mesh}")
+        _positive("run", self, "batch_size", "seq_len", "num_anchors", "log_every")
+        if self.compute_dtype not in DTYPES:
+            raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
+        k = self.draft.block_size
+        if self.seq_len < k + 2:
+            raise ConfigError(f"seq_len {self.seq_len} must exceed draft.block_size {k} + 1")
+        if self.data.max_prompt_len + 1 >= self.seq_len:
+            raise ConfigError(
+                f"data.max_prompt_len {self.data.max_prompt_len} leaves no response room "
+                f"in seq_len {self.seq_len}"
+            )
+
+    # ---- flat attributes the memory planner reads ----------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.draft.block_size
+
+    @property
+    def drafter_layers(self) -> int:
+        return self.draft.layers
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...] | None:
+        return self.draft.target_layer_ids
+
+    @property
+    def num_features(self) -> int:
+        return len(self.draft.target_layer_ids or ()) or self.draft.num_features
+
+    @property
+    def collect_slots(self) -> int:
+        return self.stage2.collect_slots
+
+    # ---- checks that need the devices and the target ---------------------------------------
+    def resolve_mesh(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = list(self.mesh)
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"mesh {self.mesh} does not divide the {num_devices} devices "
+                    f"(the fixed axes use {fixed})"
+                )
+            sizes[sizes.index(-1)] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ConfigError(
+                f"mesh {self.mesh} needs {fixed} devices but {num_devices} are available"
+            )
+        return tuple(sizes)
+
+    def check_runtime(
+        self, *, num_devices: int, target: TargetConfig, mask_token_id: int | None
+    ) -> tuple[int, int, int]:
+        """Fails, naming the field, on anything that would only break mid-run; returns the mesh."""
+        mesh = self.resolve_mesh(num_devices)
+        shards = mesh[0] * mesh[1]
+        if self.batch_size % shards:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is not divisible by data*fsdp = {shards} "
+                f"(mesh {mesh})"
+            )
+        if self.stage2.collect_slots % mesh[0] and self.stage2.rounds:
+            raise ConfigError(
+                f"stage2.collect_slots {self.stage2.collect_slots} is not divisible by the "
+                f"data axis {mesh[0]}"
+            )
+        if mask_token_id is None:
+            raise ConfigError(
+                "draft.mask_token_id is not set and the target's tokenizer declares no mask "
+                "token: set draft.mask_token_id to a spare row of the embedding table"
+            )
+        if not 0 <= mask_token_id < target.vocab_size:
+            raise ConfigError(
+                f"draft.mask_token_id {mask_token_id} is outside the target vocab "
+                f"(size {target.vocab_size})"
+            )
+        for i in self.draft.target_layer_ids or ():
+            if not 0 <= i < target.num_hidden_layers:
+                raise ConfigError(
+                    f"draft.target_layer_ids has {i}, but the target has "
+                    f"{target.num_hidden_layers} layers"
+                )
+        if self.seq_len > target.max_position_embeddings:
+            raise ConfigError(
+                f"seq_len {self.seq_len} exceeds the target's max_position_embeddings "
+                f"{target.max_position_embeddings}"
+            )
+        return mesh
+
+
+# ---- overrides -------------------------------------------------------------------------------
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Parses a command-line string into the field's type."""
+    if not isinstance(value, str):
+        return value
+    hint = annotation if not isinstance(annotation, str) else None
+    if hint is str or (
+        isinstance(hint, types.UnionType) and str in typing.get_args(hint) and value != "None"
+    ):
+        return value
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"{where}: cannot parse {value!r}") from None
+    if hint is float and isinstance(parsed, int):
+        parsed = float(parsed)
+    if isinstance(parsed, list):
+        parsed = tuple(parsed)
+    return parsed
+
+
+def override(cfg: RunConfig, assignments: dict[str, Any]) -> RunConfig:
+    """Applies {"stage1.steps": "10", "mesh": (1, 8, 1), ...}; unknown names fail."""
+    for dotted, value in assignments.items():
+        cfg = _set(cfg, dotted.split("."), value, dotted)
+    return cfg
+
+
+def _set(obj: Any, path: list[str], value: Any, dotted: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    head = path[0]
+    if head not in fields:
+        raise ConfigError(f"unknown config field {dotted!r} ({head!r} not in {sorted(fields)})")
+    if len(path) == 1:
+        hints = typing.get_type_hints(type(obj))
+        return dataclasses.replace(obj, **{head: _coerce(value, hints.get(head), dotted)})
+    child = getattr(obj, head)
+    if not dataclasses.is_dataclass(child):
+        raise ConfigError(f"config field {'.'.join(path[:1])!r} has no sub-fields ({dotted})")
+    return dataclasses.replace(obj, **{head: _set(child, path[1:], value, dotted)})
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """`get_config()` of a config file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file does not exist: {path}")
+    spec = importlib.util.spec_from_file_location(f"_run_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not RunConfig")
+    return cfg

@@ -1,0 +1,107 @@
+"""The train loop shared by every stage: resume, step, log, checkpoint, stop on SIGTERM.
+
+A stage's checkpoint directory holds its `TrainState` minus the frozen target and the data
+iterator's JSON state (plus whatever `data_extra` the caller adds, e.g. the stage-2 round).
+`run_stage` restores the latest checkpoint when there is one, so calling it again after a
+kill continues with the exact next batch; the last step is always saved (forced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+
+from adaflash_jax.distill.state import checkpointable
+from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
+from adaflash_jax.train.progress import Progress
+from adaflash_jax.train.state import TrainState
+
+
+class Preempted(RuntimeError):
+    """Raised after a stop request (SIGTERM) once the checkpoint is safely written."""
+
+
+@dataclasses.dataclass
+class StageRun:
+    name: str
+    step_fn: Callable  # jitted (state, global batch) -> (state, metrics)
+    put: Callable[[dict], dict]  # host rows -> global sharded batch
+    batches: object  # iterator with get_state / set_state
+    total_steps: int
+    tokens_per_step: int
+    log_every: int = 10
+    writer: object | None = None  # ScalarWriter
+    tag_offset: int = 0  # added to the step in TensorBoard (stage-2 rounds share a tag)
+    on_step: Callable[[int], None] | None = None  # test hook: called after each step
+
+
+def restore_or_start(
+    ckpt: Checkpointer | None, state: TrainState, shardings: TrainState
+) -> tuple[TrainState, dict | None]:
+    """(state, data_state) from the latest checkpoint, re-attaching the frozen target."""
+    if ckpt is None or ckpt.latest_step() is None:
+        return state, None
+    abstract = jax.eval_shape(lambda s: s, checkpointable(state))
+    restored, data_state = ckpt.restore(abstract, checkpointable(shardings))
+    return restored.replace(frozen=state.frozen), data_state
+
+
+def run_stage(
+    run: StageRun,
+    state: TrainState,
+    *,
+    ckpt: Checkpointer | None,
+    guard: PreemptionGuard | None,
+    data_extra: dict | None = None,
+) -> tuple[TrainState, list[dict]]:
+    """Trains until `state.step == run.total_steps`; returns (state, logged metrics)."""
+    history: list[dict] = []
+    start = int(jax.device_get(state.step))
+    if start >= run.total_steps:
+        return state, history
+
+    def save(step: int, force: bool):
+        if ckpt is not None and ckpt.latest_step() != step:
+            data = {**run.batches.get_state(), **(data_extra or {})}
+            ckpt.save(step, checkpointable(state), data, force=force)
+
+    with Progress(
+        total=run.total_steps, initial=start, tokens_per_step=run.tokens_per_step, desc=run.name
+    ) as bar:
+        t_last, steps_since = time.perf_counter(), 0
+        for step in range(start, run.total_steps):
+            if guard is not None and guard.should_stop:
+                save(step, force=True)
+                if ckpt is not None:
+                    ckpt.wait()
+                raise Preempted(f"{run.name}: stopped at step {step}, checkpoint saved")
+            state, metrics = run.step_fn(state, run.put(next(run.batches)))
+            steps_since += 1
+            done = step + 1
+            if done == start + 1:
+                bar.restart_clock()  # the first step compiled
+                t_last, steps_since = time.perf_counter(), 0
+            if done % run.log_every == 0 or done == run.total_steps or done == start + 1:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                if steps_since:
+                    m["tokens_per_s"] = steps_since * run.tokens_per_step / (now - t_last)
+                t_last, steps_since = now, 0
+                m["step"] = done + run.tag_offset
+                history.append(m)
+                if run.writer is not None:
+                    run.writer.write(
+                        done + run.tag_offset,
+                        {f"{run.name}/{k}": v for k, v in m.items() if k != "step"},
+                    )
+                bar.update(0, loss=m["loss"])
+            bar.update(1)
+            save(done, force=done == run.total_steps)
+            if run.on_step is not None:
+                run.on_step(done)
+    if ckpt is not None:
+        ckpt.wait()
+    return state, history

@@ -1,0 +1,213 @@
+"""The three train steps: stage 1 (DFlash CE), head init, stage 2 (AdaFlash / sft / fkl).
+
+Dimensions: B batch, S sequence, N anchors, K block size, P = K−1, D model, nD features,
+V vocab.
+
+Each is ONE pure function `(state, batch) -> (state, metrics)` over a `TrainState` whose
+`params` are the whole drafter (length head included, float32 master weights) and whose
+`frozen` field holds the target's weights. The target runs first, OUTSIDE `value_and_grad`
+and under `stop_gradient`: it yields the context features, the embedding and LM-head tables
+the drafter borrows, and the teacher logits at ℓ − 1 for every label position ℓ = a + k.
+Parameters that a stage does not train get a zero update (`optax.set_to_zero`) rather than
+a zero gradient, so weight decay cannot touch them. The length head always reads DETACHED
+drafter states, so its MSE never reaches the drafter.
+
+`jit_step` compiles a step once with explicit in/out shardings and donates the old state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from adaflash_jax.distill import losses
+from adaflash_jax.distill.anchors import block_targets
+from adaflash_jax.sharding.rules import Rules
+from adaflash_jax.train.optimizer import OptimizerConfig, decay_mask, make_schedule, path_labels
+from adaflash_jax.train.state import TrainState, batch_sharding
+
+# optax >= 0.2.6 moved the global norm to optax.tree.norm (the old name warns).
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+KINDS = ("stage1", "head_init", "stage2")
+BATCH_KEYS = ("tokens", "loss_mask", "anchors", "valid")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    kind: str  # one of KINDS
+    block_size: int
+    gamma: float
+    feature_layers: tuple[int, ...]
+    objective: str = "rkl"  # stage 2 only: rkl | fkl | sft
+    alpha: float = 0.8
+    tau: float = 0.01
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown step kind {self.kind!r}; choose from {KINDS}")
+        if self.objective not in losses.OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}")
+
+
+# ---- optimizer -------------------------------------------------------------------------------
+def param_group(path: str) -> str:
+    return "head" if path.startswith("length_head") else "drafter"
+
+
+def make_optimizer(
+    groups: Mapping[str, OptimizerConfig | None], *, clip_norm: float
+) -> tuple[optax.GradientTransformation, dict[str, optax.Schedule]]:
+    """AdamW per group ("drafter", "head"); a None group is frozen. One global-norm clip
+    over all parameters runs before the split (DESIGN §4.2)."""
+    transforms, schedules = {}, {}
+    for name in ("drafter", "head"):
+        cfg = groups.get(name)
+        if cfg is None:
+            transforms[name] = optax.set_to_zero()
+            continue
+        schedules[name] = make_schedule(cfg)
+        transforms[name] = optax.adamw(
+            schedules[name],
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    tx = optax.multi_transform(transforms, path_labels(param_group))
+    return optax.chain(optax.clip_by_global_norm(clip_norm), tx), schedules
+
+
+# ---- the frozen target -----------------------------------------------------------------------
+def _teacher(target_graphdef, frozen, tokens_BxS, feature_layers):
+    target = nnx.merge(target_graphdef, jax.lax.stop_gradient(frozen))
+    out = target(tokens_BxS, feature_layers=feature_layers, compute_logits=False)
+    return target, out.features_BxTxnD, out.hidden_BxTxD
+
+
+def _teacher_logits(target, hidden_BxSxD, teacher_pos_BxNxP):
+    """Target logits at ℓ − 1 for each label position ℓ → [B, N, P, V] (float32)."""
+    b, n, p = teacher_pos_BxNxP.shape
+    h_BxNPxD = jnp.take_along_axis(hidden_BxSxD, teacher_pos_BxNxP.reshape(b, n * p, 1), axis=1)
+    logits = target.logits(h_BxNPxD).astype(jnp.float32)
+    return logits.reshape(b, n, p, -1)
+
+
+def _head_loss(drafter, hidden_BxNxKxD, accepted_BxN, valid_BxN, block_size):
+    b, n, k, d = hidden_BxNxKxD.shape
+    detached = jax.lax.stop_gradient(hidden_BxNxKxD).reshape(b * n, k, d)
+    r_BxN = drafter.length_head(detached).reshape(b, n)
+    return losses.length_head_loss(r_BxN, accepted_BxN, valid_BxN, block_size)
+
+
+# ---- the steps -------------------------------------------------------------------------------
+def make_step(
+    spec: StepSpec,
+    drafter_graphdef: nnx.GraphDef,
+    target_graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    schedules: Mapping[str, optax.Schedule] | None = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The un-jitted pure step of `spec.kind`."""
+    k = spec.block_size
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+        anchors, valid = batch["anchors"], batch["valid"]
+        # -- frozen target, outside the differentiated function --
+        target, feats_BxSxnD, t_hidden_BxSxD = _teacher(
+            target_graphdef, state.frozen, tokens, spec.feature_layers
+        )
+        emb_VxD = jax.lax.stop_gradient(target.embedding_VxD())
+        head_DxV = jax.lax.stop_gradient(target.lm_head_DxV())
+        labels_BxNxP, mask_BxNxP, tpos_BxNxP = block_targets(tokens, loss_mask, anchors, valid, k)
+        weights_BxNxP = losses.position_weights(mask_BxNxP, spec.gamma)
+        teacher_BxNxPxV = None
+        if spec.kind != "stage1":
+            teacher_BxNxPxV = jax.lax.stop_gradient(
+                _teacher_logits(target, t_hidden_BxSxD, tpos_BxNxP)
+            )
+            best_BxNxP = jnp.argmax(teacher_BxNxPxV, axis=-1)
+
+        def student(params):
+            drafter = nnx.merge(drafter_graphdef, params)
+            hidden = drafter.train_hidden(feats_BxSxnD, tokens, anchors, valid, emb_VxD)
+            return drafter, hidden, drafter.logits(hidden[:, :, 1:], head_DxV)
+
+        if spec.kind == "head_init":
+            # The drafter is frozen too: its forward stays outside value_and_grad.
+            _, hidden, logits = student(jax.lax.stop_gradient(state.params))
+            accepted = losses.accepted_streak(jnp.argmax(logits, -1), best_BxNxP, mask_BxNxP)
+
+            def loss_fn(params):
+                drafter = nnx.merge(drafter_graphdef, params)
+                mse, mae = _head_loss(drafter, hidden, accepted, valid, k)
+                return mse, {"head_mse": mse, "head_mae": mae}
+
+        else:
+
+            def loss_fn(params):
+                drafter, hidden, logits = student(params)
+                aux = {}
+                if spec.kind == "stage1":
+                    loss = losses.decayed_ce(logits, labels_BxNxP, weights_BxNxP)
+                    aux["ce"] = loss
+                    aux["ce_acc"] = losses.accuracy(logits, labels_BxNxP, mask_BxNxP)
+                    return loss, aux
+                loss, parts = losses.distill_loss(
+                    logits,
+                    teacher_BxNxPxV,
+                    weights_BxNxP,
+                    objective=spec.objective,
+                    alpha=spec.alpha,
+                    tau=spec.tau,
+                    temperature=spec.temperature,
+                )
+                accepted = losses.accepted_streak(jnp.argmax(logits, -1), best_BxNxP, mask_BxNxP)
+                mse, mae = _head_loss(drafter, hidden, accepted, valid, k)
+                aux.update(parts)
+                aux["drafter_loss"] = loss
+                aux["ce_acc"] = losses.accuracy(logits, best_BxNxP, mask_BxNxP)
+                aux["head_mse"], aux["head_mae"] = mse, mae
+                aux["accepted_mean"] = jnp.sum(accepted * valid) / jnp.maximum(valid.sum(), 1)
+                return loss + mse, aux
+
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
+        for name, schedule in (schedules or {}).items():
+            metrics[f"lr_{name}"] = schedule(state.step)
+        metrics["label_tokens"] = jnp.sum(mask_BxNxP)
+        rng, _ = jax.random.split(state.rng)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        return new, metrics
+
+    return step
+
+
+def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> dict[str, NamedSharding]:
+    return {key: batch_sharding(mesh, rules, 2, batch_size) for key in BATCH_KEYS}
+
+
+def jit_step(step_fn, *, state_shardings, batch_shardings_: dict, donate: bool = True):
+    """Compiled once: explicit shardings in and out, the old state donated."""
+    mesh = next(iter(batch_shardings_.values())).mesh
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, batch_shardings_),
+        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=(0,) if donate else (),
+    )
+
+
+def put_batch(batch: dict, shardings: dict) -> dict:
+    """This process's rows → global arrays (per-host input sharding)."""
+    return {k: jax.make_array_from_process_local_data(shardings[k], batch[k]) for k in BATCH_KEYS}
