@@ -199,9 +199,15 @@ def run_pretrain(
     t0 = time.perf_counter()
     with checkpointer, ScalarWriter(os.path.join(out_dir, "tensorboard")) as writer:
         status, losses, tok_s = train_loop(
-            cfg, trainer, data_iter, checkpointer, writer,
-            total_steps=total_steps, stop_at_step=stop_at_step, progress=progress,
-        )  # fmt: skip
+            cfg,
+            trainer,
+            data_iter,
+            checkpointer,
+            writer,
+            total_steps=total_steps,
+            stop_at_step=stop_at_step,
+            progress=progress,
+        )
         timings["train_s"] = time.perf_counter() - t0
         result = {
             "preset": cfg.name,

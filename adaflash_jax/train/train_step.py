@@ -16,6 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from adaflash_jax.train.state import TrainState
 
+# optax >= 0.2.5 moved global_norm to optax.tree.norm; older installs only have the former.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -34,7 +37,7 @@ def train_step_fn(
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
         for name, schedule in (schedules or {}).items():
             metrics[name] = schedule(state.step)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
