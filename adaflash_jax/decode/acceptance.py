@@ -11,6 +11,9 @@ deliberately biased one in tests:
 
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
+
+(temperature: scalar > 0; top_p: scalar, or None for "no nucleus filter", see
+`sampling_probs`.)
 """
 
 from __future__ import annotations
@@ -40,12 +43,23 @@ def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperatu
     return accepted_B, bonus_B
 
 
+def sampling_probs(logits_NxV, temperature, top_p):
+    """The sampling distribution [N, V] for a scalar temperature > 0. `top_p=None` means no
+    nucleus filter (decided statically): a plain tempered softmax, the same distribution as
+    `logits_to_probs` with top_p = 1 but without its sort over the vocabulary."""
+    logits_NxV = logits_NxV.astype(jnp.float32)
+    if top_p is None:
+        return jax.nn.softmax(logits_NxV / temperature, axis=-1)
+    n = logits_NxV.shape[0]
+    temp_N = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,))
+    top_p_N = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (n,))
+    return logits_to_probs(logits_NxV, temp_N, top_p_N)
+
+
 def target_probs(logits_BxKxV, temperature, top_p):
     """The target's sampling distribution at every verify position [B, K, V]."""
     b, k, v = logits_BxKxV.shape
-    temp_BK = jnp.repeat(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)), k)
-    top_p_BK = jnp.repeat(jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,)), k)
-    return logits_to_probs(logits_BxKxV.reshape(b * k, v), temp_BK, top_p_BK).reshape(b, k, v)
+    return sampling_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
 
 
 def _residual_sample(key, p_BxV, q_BxV):

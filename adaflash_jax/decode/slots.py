@@ -126,6 +126,7 @@ class SpeculativeEngine:
             block_size=k,
             buckets=self.buckets,
             greedy=self.temperature == 0.0,
+            nucleus=self.top_p < 1.0,
             feature_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
             policy=policy,
             acceptance=acceptance,

@@ -28,7 +28,6 @@ from flax import nnx, struct
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
-from adaflash_jax.decode.sampling import logits_to_probs, sample_tokens
 from adaflash_jax.model.kv_cache import KVCache
 
 
@@ -58,6 +57,7 @@ class EngineSpec:
     block_size: int  # K (1 on the plain path)
     buckets: tuple[int, ...]  # ascending verify widths, the last == K
     greedy: bool
+    nucleus: bool  # top_p < 1: sample through the sorted nucleus filter
     feature_layers: tuple[int, ...]
     policy: object = FixedPolicy()
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
@@ -66,6 +66,17 @@ class EngineSpec:
     def __post_init__(self):
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.block_size:
             raise ValueError(f"buckets {self.buckets} must ascend and end at K={self.block_size}")
+
+    @property
+    def prefill_spec(self) -> EngineSpec:
+        """Only what the prefill depends on, so engines that differ in policy, buckets or
+        acceptance share prefill programs."""
+        return dataclasses.replace(
+            self, buckets=(self.block_size,), policy=None, acceptance=None, use_length_head=False
+        )
+
+    def top_p(self, s: SpecState):
+        return s.top_p if self.nucleus else None
 
     @property
     def accept_fn(self):
@@ -112,11 +123,9 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         q_BxKm1xV = None
         drafts_BxKm1 = jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32)
     else:
-        temp = jnp.broadcast_to(s.temperature, (b * km1,))
-        top_p = jnp.broadcast_to(s.top_p, (b * km1,))
-        q_BxKm1xV = logits_to_probs(logits_BxKm1xV.reshape(b * km1, v), temp, top_p).reshape(
-            b, km1, v
-        )
+        flat = logits_BxKm1xV.reshape(b * km1, v)
+        q_BxKm1xV = acceptance.sampling_probs(flat, s.temperature, spec.top_p(s))
+        q_BxKm1xV = q_BxKm1xV.reshape(b, km1, v)
         drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
     hidden = jax.lax.stop_gradient(d.hidden_BxKxD)
     active_B = ~s.done_B
@@ -200,7 +209,7 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         target, tokens_BxK, s.target_cache, spec, bucket_idx
     )
     accepted_B, bonus_B = spec.accept_fn(
-        key_accept, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, s.temperature, s.top_p
+        key_accept, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, s.temperature, spec.top_p(s)
     )
     accepted_B = jnp.where(active_B, accepted_B, 0).astype(jnp.int32)
     n_commit_B = accepted_B + 1
@@ -221,7 +230,8 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
 def _pick(key, logits_BxV, s: SpecState, spec: EngineSpec):
     if spec.greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    return sample_tokens(key, logits_BxV, s.temperature, s.top_p)
+    probs_BxV = acceptance.sampling_probs(logits_BxV, s.temperature, spec.top_p(s))
+    return jax.random.categorical(key, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
 
 
 def _plain_step(target, s: SpecState, spec: EngineSpec, key) -> SpecState:
@@ -344,7 +354,7 @@ def step(tdef, tstate, ddef, dstate, s, *, spec):
 
 def prefill_slots(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, *, spec):
     return jitted("prefill_slots")(
-        tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, spec=spec
+        tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, spec=spec.prefill_spec
     )
 
 

@@ -1,0 +1,140 @@
+"""Speculative SAMPLING is lossless: generated-token distributions match plain sampling.
+
+Tiny-vocab target (V = 16) whose LM head is scaled up so its distributions are peaked; the
+random drafter shares that head, so its proposals are peaked too but on the wrong tokens —
+a biased acceptance rule shows up immediately, while acceptance still happens (tau > 1).
+Two-sample chi-square over the per-position token counts of generated tokens 2..5 (token 1
+comes from the prefill, not from speculation); fixed seeds, so the test is deterministic.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.stats as jst
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.decode import acceptance
+from adaflash_jax.decode.generate import generate
+from adaflash_jax.decode.policies import AdaFlashPolicy, GoodputPolicy
+from adaflash_jax.decode.slots import SpeculativeEngine
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+
+V, N, MAX_NEW, TEMPERATURE = 16, 2048, 5, 1.0
+PROMPT = [3, 1, 4, 1, 5]
+CFG = TargetConfig(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+P_HONEST = 1e-3  # a lossless engine fails this with probability 1/1000
+P_BIASED = 1e-6
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = TargetLM(CFG, rngs=nnx.Rngs(0))
+    target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 15.0)  # peaked distributions
+    cfg = DrafterConfig.for_target(
+        CFG, mask_token_id=V - 1, num_layers=1, block_size=4, num_features=2
+    )
+    return target, Drafter(cfg, rngs=nnx.Rngs(1))
+
+
+def _counts(outputs_NxM):
+    return np.stack([np.bincount(outputs_NxM[:, j], minlength=V) for j in range(1, MAX_NEW)])
+
+
+def chi_square_p(counts_a, counts_b) -> float:
+    """Two-sample chi-square homogeneity test summed over positions (one table each)."""
+    stat, dof = 0.0, 0
+    for a, b in zip(counts_a, counts_b):
+        seen = (a + b) > 0
+        a, b = a[seen].astype(float), b[seen].astype(float)
+        total = a + b
+        ea, eb = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+        stat += float(np.sum((a - ea) ** 2 / ea + (b - eb) ** 2 / eb))
+        dof += len(a) - 1
+    return float(jst.chi2.sf(stat, dof))
+
+
+@pytest.fixture(scope="module")
+def plain_counts(models):
+    target, _ = models
+    out = generate(target, [PROMPT] * N, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=1)
+    return _counts(np.asarray(out))
+
+
+def _speculative(models, **kw):
+    target, drafter = models
+    engine = SpeculativeEngine(
+        target, drafter, slots=N, capacity=32, temperature=TEMPERATURE, eos_ids=(), seed=2, **kw
+    )
+    results = engine.generate([(PROMPT, MAX_NEW)] * N)
+    for r in results:
+        assert set(r.widths) <= set(engine.buckets)
+        assert all(1 <= q <= w for q, w in zip(r.requested_widths, r.widths))
+    return np.asarray([r.output_ids for r in results]), results
+
+
+@pytest.mark.parametrize(
+    "accept_fn,lossless",
+    [(None, True), (acceptance.always_accept, False)],
+    ids=["rejection", "biased"],
+)
+def test_sampling_matches_plain_and_catches_a_biased_rule(
+    models, plain_counts, accept_fn, lossless
+):
+    outputs, results = _speculative(models, buckets=(4,), acceptance=accept_fn)
+    p = chi_square_p(plain_counts, _counts(outputs))
+    if lossless:
+        assert np.mean([r.tau for r in results]) > 1.3, "acceptance must actually happen"
+        assert p > P_HONEST, f"speculative sampling differs from plain sampling (p={p:.2e})"
+    else:
+        assert p < P_BIASED, f"the test failed to catch always-accept (p={p:.2e})"
+
+
+GOODPUT_TABLE = VerifyCostTable(
+    rows=(1, N),
+    widths=(1, 2, 4),
+    verify_ms=((1.0, 1.2, 2.1), (1.0, 1.2, 2.1)),
+    draft_ms=(0.1, 0.1),
+    device="synthetic",
+)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [AdaFlashPolicy(threshold=0), GoodputPolicy(cost=GOODPUT_TABLE)],
+    ids=["adaflash", "goodput"],
+)
+def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
+    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy)
+    requested = {w for r in results for w in r.requested_widths}
+    assert requested - {4}, f"the policy should shorten some blocks, asked only {requested}"
+    p = chi_square_p(plain_counts, _counts(outputs))
+    assert p > P_HONEST, f"{policy.name}: sampling is no longer lossless (p={p:.2e})"
+
+
+def test_rejection_acceptance_unit():
+    """Hand-checkable cases: p == q accepts everything; p = 0 at a draft rejects it and the
+    bonus then comes from the residual, never the rejected token."""
+    accept = jax.jit(acceptance.rejection_accept, static_argnums=(6,))
+    logits = jnp.log(jnp.array([[[0.5, 0.5, 1e-9, 1e-9]] * 3] * 5))  # [5, 3, 4]
+    q = jnp.array([[[0.5, 0.5, 0.0, 0.0]] * 2] * 5)
+    drafts = jnp.array([[0, 1]] * 5)
+    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 3), 1.0, None)
+    assert n.tolist() == [2] * 5
+    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 2), 1.0, None)
+    assert n.tolist() == [1] * 5  # capped at width − 1
+    q_bad = jnp.array([[[0.0, 0.0, 1.0, 0.0]] * 2] * 5)
+    n, bonus = accept(jax.random.key(1), drafts + 2, q_bad, logits, jnp.full((5,), 3), 1.0, None)
+    assert n.tolist() == [0] * 5 and set(bonus.tolist()) <= {0, 1}
