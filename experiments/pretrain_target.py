@@ -29,7 +29,8 @@ def main(argv=None) -> dict:
         help="force jax.distributed.initialize() on/off (default: detect)",
     )
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("adaflash_jax").setLevel(logging.INFO)
 
     from adaflash_jax.train.mesh import make_mesh, maybe_initialize_distributed
 
