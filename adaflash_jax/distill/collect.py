@@ -148,3 +148,44 @@ def tau_by_domain(data: SequenceData, trajectories: Sequence[Trajectory]) -> dic
         tokens = sum(int(np.sum(t.accepted + 1)) for t in rows)
         out[name] = tokens / steps if steps else float("nan")
     return out
+
+
+def engine_collect(
+    target,
+    drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    slots: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[Trajectory]]:
+    """Real speculative decoding (full block every step) → (responses, trajectories).
+
+    Step j of a request is anchored at prompt_len + Σ_{i<j} (accepted_i + 1): the position of
+    the bonus token it drafts from.
+    """
+    from adaflash_jax.decode.slots import SpeculativeEngine
+
+    k = drafter.config.block_size
+    capacity = max(len(p) for p in prompt_ids) + max_new_tokens + k
+    capacity = -(-capacity // 16) * 16
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        slots=slots,
+        capacity=capacity,
+        policy="fixed",
+        temperature=temperature,
+        seed=seed,
+        eos_ids=eos_ids,
+    )
+    results = engine.generate([(p, max_new_tokens) for p in prompt_ids])
+    responses, trajectories = [], []
+    for prompt, res in zip(prompt_ids, results, strict=True):
+        accepted = np.asarray(res.accepted, np.int32)
+        anchors = len(prompt) + np.concatenate([[0], np.cumsum(accepted + 1)[:-1]])
+        responses.append(list(res.output_ids))
+        trajectories.append(Trajectory(anchors.astype(np.int32)[: len(accepted)], accepted))
+    return responses, trajectories
