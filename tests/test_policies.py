@@ -17,6 +17,7 @@ from adaflash_jax.decode.policies import (
     PolicyError,
     PolicyInput,
 )
+from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
@@ -193,7 +194,7 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
         cfg, mask_token_id=63, num_layers=1, block_size=4, num_features=2
     )
     drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
-    kw = dict(slots=1, widths=(1, 4), context_len=8, repeats=2, cache_dir=str(tmp_path))
+    kw = dict(slots=1, widths=(1, 4), capacity=16, repeats=2, cache_dir=str(tmp_path))
     table = verify_cost.load_or_calibrate(target, drafter, **kw)
     assert table.rows == (1,) and table.widths == (1, 4)
     assert all(ms > 0 for row in table.verify_ms for ms in row) and min(table.draft_ms) > 0
@@ -207,3 +208,16 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(verify_cost, "calibrate", no_calibration)
     assert verify_cost.load_or_calibrate(target, drafter, **kw) == table
     assert verify_cost.load_or_calibrate(target, drafter, **kw, path=files[0]) == table
+    # The engine finds the same cached table by itself (same device/model/slots/widths/capacity).
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        slots=1,
+        capacity=16,
+        buckets=(1, 4),
+        policy="goodput",
+        cache_dir=str(tmp_path),
+        policy_kwargs={"estimator": "length_head"},
+    )
+    assert engine.policy == GoodputPolicy(cost=table, estimator="length_head")
+    assert engine.spec.use_length_head

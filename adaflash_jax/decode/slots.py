@@ -111,6 +111,7 @@ class SpeculativeEngine:
                     drafter,
                     slots=slots,
                     widths=self.buckets,
+                    capacity=capacity,
                     cache_dir=cache_dir,
                     path=cost_table,
                 )
@@ -132,6 +133,7 @@ class SpeculativeEngine:
             acceptance=acceptance,
             use_length_head=drafter is not None and policy.needs_length_head,
         )
+        self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
 
@@ -210,6 +212,7 @@ class SpeculativeEngine:
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index
         results: list[Result | None] = [None] * len(requests)
+        loop_steps, calls = 0, 0
         while queue or owner:
             starts = []
             while queue and free:
@@ -218,13 +221,15 @@ class SpeculativeEngine:
                 starts.append((slot, *requests[i]))
             if starts:
                 state = self._prefill(state, starts)
-            state, _ = self.run(state, stop_on_finish=bool(queue))
-            done_B = np.asarray(jax.device_get(state.done_B))
+            state, steps = self.run(state, stop_on_finish=bool(queue))
+            done_B, steps = jax.device_get((state.done_B, steps))
+            loop_steps, calls = loop_steps + int(steps), calls + 1
             finished = [slot for slot in owner if done_B[slot]]
             if finished:
                 self._harvest(state, finished, owner, results)
                 free.extend(finished)
                 free.sort()
+        self.last_run = {"loop_steps": loop_steps, "device_loops": calls}
         return results
 
     def _harvest(self, state, slots, owner, results):

@@ -5,7 +5,9 @@ Dimensions: NR row counts, NW widths (verify buckets), B rows, W width, C contex
 The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
 the table is static data (tuples, hashable). It is measured by a short calibration pass on the
 current device (`calibrate`: the jitted target verify at each (rows, width) and the drafter's
-block forward at each row count, over a cache filled to `context_len`), cached as JSON under
+block forward at each row count, over caches of the engine's capacity — attention reads the
+whole fixed-size cache, masked, so the capacity, not the filled length, sets the cost), cached
+as JSON under
 `~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE_DIR) keyed by
 device kind, model shapes and slot count, or loaded from any JSON file in the same format.
 """
@@ -111,11 +113,11 @@ def device_kind() -> str:
 
 
 def default_rows(slots: int) -> tuple[int, ...]:
-    """1, 2, 4, … up to `slots` (always included)."""
+    """1, 4, 16, … below `slots`, then `slots` itself (few cells: each one compiles)."""
     rows, r = [], 1
     while r < slots:
         rows.append(r)
-        r *= 2
+        r *= 4
     return tuple(rows + [slots])
 
 
@@ -153,14 +155,19 @@ def calibrate(
     *,
     rows: tuple[int, ...],
     widths: tuple[int, ...],
-    context_len: int = 256,
+    capacity: int,
+    context_len: int | None = None,
     repeats: int = 5,
 ) -> VerifyCostTable:
-    """Times the target verify at each (rows, width) and the drafter block at each row count,
-    with every row's cache holding `context_len` tokens. Compiles one program per cell."""
+    """Times the target verify at each (rows, width) and the drafter block at each row count
+    over caches of `capacity` slots holding `context_len` tokens (default: half full).
+    Compiles one program per cell."""
     tdef, tstate = nnx.split(target)
     layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-    capacity = context_len + max(widths) + 1
+    if context_len is None:
+        context_len = capacity // 2
+    if context_len + max(widths) > capacity:
+        raise ValueError(f"context {context_len} + width {max(widths)} exceeds capacity {capacity}")
     verify, draft = [], []
     for r in rows:
         cache = target.init_cache(r, capacity).with_lengths(jnp.full((r,), context_len))
@@ -183,12 +190,13 @@ def calibrate(
         verify_ms=tuple(verify),
         draft_ms=tuple(draft),
         device=device_kind(),
-        model=f"ctx{context_len} " + hashlib.sha1(model_key(target, drafter).encode()).hexdigest(),
+        model=f"capacity {capacity} ctx {context_len} "
+        + hashlib.sha1(model_key(target, drafter).encode()).hexdigest(),
     )
 
 
-def cache_path(target, drafter, *, slots, widths, context_len, cache_dir=None) -> str:
-    key = json.dumps([device_kind(), model_key(target, drafter), slots, widths, context_len])
+def cache_path(target, drafter, *, slots, widths, capacity, cache_dir=None) -> str:
+    key = json.dumps([device_kind(), model_key(target, drafter), slots, widths, capacity])
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     kind = device_kind().replace(" ", "_").replace("/", "_").replace(":", "_")
     return os.path.join(cache_dir or default_cache_dir(), f"{kind}-s{slots}-{digest}.json")
@@ -200,27 +208,22 @@ def load_or_calibrate(
     *,
     slots: int,
     widths: tuple[int, ...],
-    context_len: int = 256,
+    capacity: int,
     repeats: int = 5,
     cache_dir: str | None = None,
     path: str | os.PathLike | None = None,
 ) -> VerifyCostTable:
-    """The table from `path` if given; else the cached calibration for this device, model and
-    slot count; else calibrates now and caches the result."""
+    """The table from `path` if given; else the cached calibration for this device, model,
+    slot count, widths and capacity; else calibrates now and caches the result."""
     if path is not None:
         return VerifyCostTable.load(path)
     cached = cache_path(
-        target, drafter, slots=slots, widths=widths, context_len=context_len, cache_dir=cache_dir
+        target, drafter, slots=slots, widths=widths, capacity=capacity, cache_dir=cache_dir
     )
     if os.path.isfile(cached):
         return VerifyCostTable.load(cached)
     table = calibrate(
-        target,
-        drafter,
-        rows=default_rows(slots),
-        widths=widths,
-        context_len=context_len,
-        repeats=repeats,
+        target, drafter, rows=default_rows(slots), widths=widths, capacity=capacity, repeats=repeats
     )
     table.save(cached)
     return table
