@@ -27,6 +27,7 @@ from adaflash_jax.model.config import ConfigError, TargetConfig
 METHODS = ("stage1", "adaflash", "sft", "fkl")  # fkl: forward-KL comparison (opt-in)
 STAGE2_OBJECTIVE = {"adaflash": "rkl", "sft": "sft", "fkl": "fkl"}
 MAX_BLOCK_SIZE = 32
+COLLECTORS = ("replay", "engine")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -51,6 +52,7 @@ class DataSpec:
     max_prompt_len: int = 64  # longer prompts keep their last tokens
     max_new_tokens: int = 64  # regeneration length (greedy target responses)
     regen_batch: int = 32
+    regen_dir: str | None = None  # reusable regenerated datasets (default: <run_dir>/data)
 
     def __post_init__(self):
         object.__setattr__(self, "domains", tuple(self.domains))
@@ -128,20 +130,29 @@ class Stage2Spec:
     tau: float = 0.01  # clips KL/Nw (see losses.py)
     temperature: float = 1.0
     collect_temperature: float = 0.0  # 0: greedy collection (lossless → target's own text)
-    collect_slots: int = 16
-    max_new_tokens: int = 64
+    collect_slots: int = 16  # engine collector: rows decoded together
     methods: tuple[str, ...] = ("adaflash", "sft")  # each runs its own rounds, same compute
+    # "replay": exact greedy replay of regenerated responses (cheap; temperature 0 only);
+    # "engine": speculative decoding with the serving engine on the prompts.
+    collector: str = "replay"
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
         _positive("stage2", self, "rounds", "steps_per_round", "weight_decay", allow_zero=True)
         _positive("stage2", self, "prompts_per_round", "lr", "head_lr", "clip_norm", "temperature")
-        _positive("stage2", self, "collect_slots", "max_new_tokens")
+        _positive("stage2", self, "collect_slots")
         _positive("stage2", self, "collect_temperature", allow_zero=True)
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"stage2.alpha must be in [0, 1], got {self.alpha}")
         if not self.tau > 0:
             raise ConfigError(f"stage2.tau must be positive, got {self.tau}")
+        if self.collector not in COLLECTORS:
+            raise ConfigError(f"stage2.collector must be one of {COLLECTORS}: {self.collector!r}")
+        if self.collector == "replay" and self.collect_temperature > 0:
+            raise ConfigError(
+                "stage2.collector 'replay' is exact for greedy collection only; use "
+                "stage2.collector='engine' with stage2.collect_temperature > 0"
+            )
         for m in self.methods:
             if m not in STAGE2_OBJECTIVE:
                 raise ConfigError(
@@ -152,11 +163,15 @@ class Stage2Spec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSpec:
-    max_new_tokens: int = 64
+    """τ per domain on held-out prompts; greedy, so "replay" equals the engine exactly."""
+
+    backend: str = "replay"
     slots: int = 16
 
     def __post_init__(self):
-        _positive("eval", self, "max_new_tokens", "slots")
+        _positive("eval", self, "slots")
+        if self.backend not in COLLECTORS:
+            raise ConfigError(f"eval.backend must be one of {COLLECTORS}: {self.backend!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,6 +189,7 @@ class RunConfig:
     name: str = "run"
     target_path: str | None = None  # HF directory; None → the embedded tiny target
     target_shape: str | None = None  # planner preset name when the weights are elsewhere
+    embedded_preset: str = "tiny"  # which embedded target/corpus when target_path is None
     run_dir: str | None = None  # None → runs/<name>-<timestamp>
     seed: int = 0
     mesh: tuple[int, int, int] = (-1, 1, 1)  # (data, fsdp, tensor); one -1 fills

@@ -130,9 +130,16 @@ def new_train_state(
     rules: Rules,
     seed: int,
 ) -> tuple[TrainState, TrainState]:
-    """(state, shardings) for a stage starting from `params` (step 0, fresh optimizer)."""
+    """(state, shardings) for a stage starting from `params` (step 0, fresh optimizer).
+
+    The step donates the state, frozen target included: after a stage, take the target from
+    the returned state (`state.frozen`), not from the tree passed in here.
+    """
 
     def init(p, f, key):
+        # A real copy: the caller keeps `params` (e.g. stage-2 methods share a start) while
+        # the step donates the state's buffers. The frozen target is passed through.
+        p = jax.tree.map(jnp.copy, p)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=key, frozen=f
         )

@@ -1,0 +1,162 @@
+"""Everything a run resolves before it computes: target, tokenizer, drafter shape, mesh, prompts.
+
+`prepare` fails fast, naming the config field, on a mesh that does not fit the devices, a
+block size the drafter (or the imported export) does not support, a mask token outside the
+vocab, feature layers the target lacks, or prompt files that do not parse. The embedded
+default target is the one exception: its vocabulary exists only once it is built, so it is
+built (or found in the cache) first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+
+import jax
+from jax.sharding import Mesh
+
+from adaflash_jax.distill import prompts as P
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.drafter.checkpoint import config_from_hf
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.init import find_mask_token_id
+from adaflash_jax.model.config import ConfigError, TargetConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Context:
+    cfg: RunConfig
+    run_dir: str
+    target_dir: str
+    target_cfg: TargetConfig
+    tokenizer: object | None
+    drafter_cfg: DrafterConfig
+    mesh_shape: tuple[int, int, int]
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    train_prompts: list[P.Prompt]
+    eval_prompts: list[P.Prompt]
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+    def mesh(self) -> Mesh:
+        from adaflash_jax.train.mesh import make_mesh
+
+        return make_mesh(*self.mesh_shape)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.run_dir, *parts)
+
+
+def default_run_dir(cfg: RunConfig) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join("runs", f"{cfg.name}-{stamp}"))
+
+
+def _target_dir(cfg: RunConfig, progress: bool) -> str:
+    if cfg.target_path is not None:
+        if not os.path.isdir(cfg.target_path):
+            raise ConfigError(f"target_path {cfg.target_path} is not a directory")
+        return cfg.target_path
+    from adaflash_jax.embedded import default_target_dir
+
+    return default_target_dir(cfg.embedded_preset, progress=progress)
+
+
+def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) -> DrafterConfig:
+    d = cfg.draft
+    if d.init_from is not None:
+        path = os.path.join(d.init_from, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"draft.init_from {d.init_from} has no config.json")
+        with open(path) as f:
+            dcfg = config_from_hf(json.load(f), with_length_head=True)
+        if dcfg.block_size != d.block_size:
+            raise ConfigError(
+                f"draft.block_size {d.block_size} does not match the imported drafter's "
+                f"block_size {dcfg.block_size} ({d.init_from}); set draft.block_size="
+                f"{dcfg.block_size}"
+            )
+    else:
+        dcfg = DrafterConfig.for_target(
+            target,
+            mask_token_id=mask_token_id,
+            num_layers=d.layers,
+            block_size=d.block_size,
+            num_features=d.num_features,
+            target_layer_ids=d.target_layer_ids,
+            length_head=True,
+        )
+    try:
+        dcfg.validate_against(target)
+    except ConfigError as e:
+        raise ConfigError(f"draft: {e}") from None
+    return dcfg
+
+
+def _prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
+    path = cfg.data.train_prompts if split == "train" else cfg.data.eval_prompts
+    if path is not None:
+        found = P.read_prompts(path)
+    elif cfg.target_path is None:
+        from adaflash_jax import embedded
+
+        get = embedded.train_prompts if split == "train" else embedded.eval_prompts
+        found = P.from_records(get(preset=cfg.embedded_preset))
+    else:
+        raise ConfigError(
+            f"data.{split}_prompts must name a prompt file when target_path is set "
+            "(the embedded prompts belong to the embedded target)"
+        )
+    count = cfg.data.train_per_domain if split == "train" else cfg.data.eval_per_domain
+    return P.per_domain(found, count, seed=cfg.seed, domains=cfg.data.domains)
+
+
+def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> Context:
+    mesh_shape = cfg.resolve_mesh(jax.device_count())  # before anything is built
+    if cfg.draft.init_from is not None and not os.path.isdir(cfg.draft.init_from):
+        raise ConfigError(f"draft.init_from {cfg.draft.init_from} is not a directory")
+    target_dir = _target_dir(cfg, progress)
+    target_cfg = TargetConfig.from_pretrained(target_dir)
+    tokenizer = None
+    if os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
+        from adaflash_jax.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(target_dir)
+    mask = cfg.draft.mask_token_id
+    if mask is None and tokenizer is not None:
+        mask = tokenizer.mask_token_id
+    if mask is None:
+        mask = find_mask_token_id(target_dir)
+    if cfg.draft.init_from is not None and cfg.draft.mask_token_id is None:
+        with open(os.path.join(cfg.draft.init_from, "config.json")) as f:
+            raw = json.load(f)
+        mask = (raw.get("dflash_config") or {}).get("mask_token_id", mask)
+    mesh_shape = cfg.check_runtime(
+        num_devices=jax.device_count(), target=target_cfg, mask_token_id=mask
+    )
+    drafter_cfg = _drafter_config(cfg, target_cfg, mask)
+    eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+    eos = eos or target_cfg.eos_token_ids
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    train, evals = _prompts(cfg, "train"), _prompts(cfg, "eval")
+    if tokenizer is None and any(p.text or p.messages for p in train + evals):
+        raise ConfigError(f"target_path {target_dir} has no tokenizer.json to encode the prompts")
+    return Context(
+        cfg=cfg,
+        run_dir=os.path.abspath(run_dir or cfg.run_dir or default_run_dir(cfg)),
+        target_dir=target_dir,
+        target_cfg=target_cfg,
+        tokenizer=tokenizer,
+        drafter_cfg=drafter_cfg,
+        mesh_shape=mesh_shape,
+        eos_ids=tuple(int(e) for e in eos),
+        pad_id=int(pad),
+        train_prompts=train,
+        eval_prompts=evals,
+    )

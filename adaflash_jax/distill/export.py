@@ -1,0 +1,105 @@
+"""Drafter export: sharded training params → one HF DFlash/AdaFlash directory (process 0).
+
+Also turns a stage checkpoint directory back into an export, for `experiments/export.py`:
+the run directory keeps the drafter's HF config (`drafter_config.json`), and the checkpoint's
+`params` subtree is read without rebuilding the optimizer that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.drafter.checkpoint import config_from_hf, config_to_hf, save_drafter
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+
+DRAFTER_CONFIG = "drafter_config.json"
+
+
+def host_params(params):
+    """Every process gets full host copies (a collective on multi-host runs)."""
+    if jax.process_count() == 1:
+        return jax.device_get(params)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(params, tiled=True)
+
+
+def export_drafter(graphdef: nnx.GraphDef, params, path: str) -> str | None:
+    """Writes the export on process 0; every process must call it. Returns the path."""
+    host = host_params(params)
+    if jax.process_index() != 0:
+        return None
+    save_drafter(nnx.merge(graphdef, host), path)
+    return path
+
+
+def save_drafter_config(cfg: DrafterConfig, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, DRAFTER_CONFIG), "w") as f:
+        json.dump(config_to_hf(cfg), f, indent=2)
+
+
+def latest_step(ckpt_dir: str) -> int:
+    steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint steps in {ckpt_dir}")
+    return max(steps)
+
+
+def _find_params(tree):
+    """The `params` subtree of a restored TrainState (dict form)."""
+    if isinstance(tree, dict):
+        if "params" in tree:
+            return tree["params"]
+        for v in tree.values():
+            found = _find_params(v)
+            if found is not None:
+                return found
+    return None
+
+
+def export_checkpoint(ckpt_dir: str, out: str, *, run_dir: str | None = None, step=None) -> str:
+    """A stage checkpoint directory (`<run>/ckpt/<stage>`) → HF export at `out`."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    run_dir = run_dir or os.path.dirname(os.path.dirname(ckpt_dir))
+    cfg_path = os.path.join(run_dir, DRAFTER_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found: pass run_dir= the run directory")
+    with open(cfg_path) as f:
+        cfg = config_from_hf(json.load(f))
+    step = latest_step(ckpt_dir) if step is None else int(step)
+    with ocp.CheckpointManager(ckpt_dir) as mgr:
+        restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    params = _find_params(restored.state)
+    if params is None:
+        raise ValueError(f"checkpoint {ckpt_dir}/{step} holds no `params`")
+    model = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(model, nnx.Param)
+    state = _fill(abstract, params)
+    save_drafter(nnx.merge(graphdef, state), out)
+    return out
+
+
+def _fill(abstract, pure):
+    """Puts restored arrays (nested dicts, Variables as {"value": array}) into the state."""
+
+    def unwrap(x):
+        while isinstance(x, dict) and set(x) == {"value"}:
+            x = x["value"]
+        return x
+
+    flat = nnx.to_flat_state(abstract)
+    for path, var in flat:
+        node = pure
+        for key in path:
+            node = node[str(key)] if str(key) in node else node[key]
+        var.set_value(np.asarray(unwrap(node), np.float32))
+    return nnx.from_flat_state(flat)

@@ -1,0 +1,182 @@
+"""The whole distillation job (DESIGN §4): regenerate → stage 1 → head init → stage 2 rounds
+(AdaFlash and its comparisons, equal compute) → τ per domain → export → report.
+
+Run directory layout:
+  config.json, drafter_config.json, report.json, tau.png, losses.png
+  data/{train,eval}/           regenerated greedy responses (reused when fingerprints match)
+  ckpt/<stage>/                orbax checkpoints per stage (resume point)
+  stage2/<method>/round<r>/    on-policy trajectories of each round
+  export/<method>/             HF DFlash/AdaFlash drafters (export/adaflash is the product)
+  tb/                          TensorBoard scalars
+Re-running with the same run directory resumes: finished stages restore from their final
+checkpoint, an interrupted stage continues from its latest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from adaflash_jax.distill import prompts as P
+from adaflash_jax.distill import report as R
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.context import Context, prepare
+from adaflash_jax.distill.export import export_drafter, save_drafter_config
+from adaflash_jax.distill.loop import Preempted
+from adaflash_jax.distill.regenerate import regenerate_dataset
+from adaflash_jax.distill.stages import Trainer, evaluate
+from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded
+from adaflash_jax.model.checkpoint import load_target
+from adaflash_jax.sharding.rules import TRAIN_RULES
+from adaflash_jax.train.checkpointing import PreemptionGuard
+from adaflash_jax.train.tensorboard import ScalarWriter, read_scalars
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Preempted", "run", "run_prepared"]
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def _datasets(ctx: Context, target_split):
+    """(train data, eval data, train prompt ids, eval prompt ids), regenerated or reused."""
+    cfg = ctx.cfg
+    regen_dir = cfg.data.regen_dir or ctx.path("data")
+    out = []
+    for split, prompts in (("train", ctx.train_prompts), ("eval", ctx.eval_prompts)):
+        ids = P.encode(
+            prompts,
+            ctx.tokenizer,
+            chat_template=cfg.data.chat_template,
+            max_len=cfg.data.max_prompt_len,
+        )
+        data = regenerate_dataset(
+            os.path.join(regen_dir, split),
+            target_split,
+            ctx.target_cfg,
+            ids,
+            [p.domain for p in prompts],
+            target_id=os.path.abspath(ctx.target_dir),
+            max_new_tokens=cfg.data.max_new_tokens,
+            seq_len=cfg.seq_len,
+            batch_size=cfg.data.regen_batch,
+            eos_ids=ctx.eos_ids,
+            pad_id=ctx.pad_id,
+        )
+        out.append((data, ids))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def _write_config(ctx: Context) -> None:
+    if not ctx.is_main:
+        return
+    os.makedirs(ctx.run_dir, exist_ok=True)
+    with open(ctx.path("config.json"), "w") as f:
+        json.dump(dataclasses.asdict(ctx.cfg), f, indent=2)
+    save_drafter_config(ctx.drafter_cfg, ctx.run_dir)
+
+
+def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> dict:
+    """Validates, then runs everything; returns the report (also written to report.json)."""
+    from adaflash_jax.train.mesh import maybe_initialize_distributed
+
+    maybe_initialize_distributed()
+    t0 = time.perf_counter()
+    ctx = prepare(cfg, run_dir=run_dir, progress=progress)
+    return run_prepared(ctx, t0=t0)
+
+
+def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
+    t0 = time.perf_counter() if t0 is None else t0
+    cfg = ctx.cfg
+    _write_config(ctx)
+    if ctx.is_main:
+        print(f"run directory: {ctx.run_dir}", flush=True)
+    timings: dict[str, float] = {}
+
+    def mark(name, since):
+        timings[name] = round(time.perf_counter() - since, 2)
+        return time.perf_counter()
+
+    mesh = ctx.mesh()
+    dtype = _dtype(cfg.compute_dtype)
+    t = time.perf_counter()
+    target = load_target(ctx.target_dir, dtype=dtype, mesh=mesh, rules=TRAIN_RULES)
+    target_split = nnx.split(target, nnx.Param)
+    del target
+    train_data, eval_data, train_ids, eval_ids = _datasets(ctx, target_split)
+    t = mark("regenerate", t)
+
+    dc = ctx.drafter_cfg
+    if cfg.draft.init_from is not None:
+        _, d_graph, params = load_drafter_sharded(
+            cfg.draft.init_from, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed, dtype=dtype
+        )
+    else:
+        d_graph, params = fresh_drafter(
+            dc, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed, dtype=dtype
+        )
+    writer = ScalarWriter(ctx.path("tb"))
+    results: dict[str, object] = {}
+    with writer, PreemptionGuard() as guard:
+        trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
+        if cfg.draft.init_from is None:
+            params = trainer.stage1(params, train_data)
+        t = mark("stage1", t)
+        params = trainer.head_init(params, train_data)
+        t = mark("head_init", t)
+        finals = {"stage1": params}
+        collect_tau = {}
+        for method in cfg.stage2.methods:
+            finals[method], collect_tau[method] = trainer.stage2(
+                method, params, train_data, train_ids
+            )
+            t = mark(f"stage2_{method}", t)
+        tau = {m: evaluate(trainer, p, eval_data, eval_ids) for m, p in finals.items()}
+        t = mark("evaluate", t)
+        exports = {m: export_drafter(d_graph, p, ctx.path("export", m)) for m, p in finals.items()}
+        t = mark("export", t)
+        results.update(tau=tau, collect_tau=collect_tau, exports=exports)
+        results["final_metrics"] = {k: (v[-1] if v else {}) for k, v in trainer.histories.items()}
+    writer.close()
+    report = _report(ctx, results, timings, time.perf_counter() - t0, train_data, eval_data)
+    return report
+
+
+def _report(ctx: Context, results, timings, wall_s, train_data, eval_data) -> dict:
+    tau = results["tau"]
+    report = {
+        "tau": tau,
+        "summary": R.summarise(tau),
+        "wall_s": round(wall_s, 2),
+        "stage_seconds": timings,
+        "collect_tau": results["collect_tau"],
+        "final_metrics": results["final_metrics"],
+        "exports": results["exports"],
+        "product": results["exports"].get("adaflash"),
+        "run_dir": ctx.run_dir,
+        "target": ctx.target_dir,
+        "devices": jax.device_count(),
+        "mesh": list(ctx.mesh_shape),
+        "train_sequences": len(train_data),
+        "eval_sequences": {
+            d: int((eval_data.domain == i).sum()) for i, d in enumerate(eval_data.domains)
+        },  # fmt: skip
+        "config": dataclasses.asdict(ctx.cfg),
+    }
+    if ctx.is_main:
+        R.write_json(ctx.path("report.json"), report)
+        R.plot_tau(ctx.path("tau.png"), tau)
+        R.plot_losses(ctx.path("losses.png"), read_scalars(ctx.path("tb")))
+        print("\n" + R.table(tau), flush=True)
+        print(f"\nwall time {report['wall_s']:.1f}s; report: {ctx.path('report.json')}", flush=True)
+    return report

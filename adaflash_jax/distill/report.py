@@ -1,0 +1,104 @@
+"""The run's closing report: τ table, report.json, PNG plots (τ per domain; loss curves).
+
+τ spread across domains is summarised by the coefficient of variation, CV = std / mean
+(population std over the domains), so "higher mean, lower spread" reads off two columns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+
+def summarise(tau: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """{method: {"mean", "cv"}} over domains."""
+    out = {}
+    for method, per_domain in tau.items():
+        v = np.array([x for x in per_domain.values() if not math.isnan(x)], np.float64)
+        mean = float(v.mean()) if v.size else math.nan
+        cv = float(v.std() / mean) if v.size and mean else math.nan
+        out[method] = {"mean": mean, "cv": cv}
+    return out
+
+
+def table(tau: dict[str, dict[str, float]]) -> str:
+    """A fixed-width table: one row per method, τ per domain, mean and CV."""
+    domains = list(dict.fromkeys(d for per in tau.values() for d in per))
+    stats = summarise(tau)
+    head = ["method", *domains, "mean", "CV"]
+    rows = [head]
+    for method, per in tau.items():
+        cells = [f"{per.get(d, math.nan):.3f}" for d in domains]
+        rows.append([method, *cells, f"{stats[method]['mean']:.3f}", f"{stats[method]['cv']:.3f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(path: str, report: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=_plain)
+    os.replace(tmp, path)
+
+
+def _plain(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def plot_tau(path: str, tau: dict[str, dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = list(dict.fromkeys(d for per in tau.values() for d in per)) + ["mean"]
+    stats = summarise(tau)
+    fig, ax = plt.subplots(figsize=(1.6 * len(domains) + 2, 4))
+    width = 0.8 / max(len(tau), 1)
+    for i, (method, per) in enumerate(tau.items()):
+        values = [per.get(d, math.nan) for d in domains[:-1]] + [stats[method]["mean"]]
+        x = np.arange(len(domains)) + (i - (len(tau) - 1) / 2) * width
+        ax.bar(x, values, width, label=f"{method} (CV {stats[method]['cv']:.2f})")
+    ax.set_xticks(np.arange(len(domains)), domains)
+    ax.set_ylabel("τ (tokens per verify step)")
+    ax.set_title("Acceptance length per domain")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_losses(path: str, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    """One panel per stage: its loss parts against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wanted = ("loss", "ce", "kl_clipped", "head_mse")
+    stages = sorted({t.split("/")[0] for t in scalars if t.split("/")[-1] in wanted})
+    if not stages:
+        return
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.6), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
+        for part in wanted:
+            points = sorted(scalars.get(f"{stage}/{part}", []))
+            if points:
+                ax.plot(*zip(*points), label=part)
+        ax.set_title(stage)
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,265 @@
+"""Stage runners: stage 1, head init, and the stage-2 collect ⇄ train rounds.
+
+Every stage trains from given drafter params with its own optimizer and checkpoint
+directory (`<run>/ckpt/<stage>`); restarting a stage resumes from its latest checkpoint
+(data position and stage-2 round included), and a finished stage restores instantly. The
+frozen target travels inside each stage's state and is donated with it, so `Trainer.frozen`
+is refreshed from the returned state after every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from adaflash_jax.distill import collect, steps
+from adaflash_jax.distill.batches import BatchIterator, SequenceData
+from adaflash_jax.distill.config import STAGE2_OBJECTIVE
+from adaflash_jax.distill.context import Context
+from adaflash_jax.distill.loop import StageRun, restore_or_start, run_stage
+from adaflash_jax.distill.regenerate import build_sequences
+from adaflash_jax.distill.state import new_train_state
+from adaflash_jax.sharding.rules import TRAIN_RULES
+from adaflash_jax.train.checkpointing import Checkpointer
+from adaflash_jax.train.optimizer import OptimizerConfig
+
+
+class Trainer:
+    def __init__(self, ctx: Context, mesh, target_split, drafter_graphdef, *, writer, guard):
+        self.ctx, self.cfg, self.mesh = ctx, ctx.cfg, mesh
+        self.t_graph, self.frozen = target_split
+        self.d_graph = drafter_graphdef
+        self.writer, self.guard = writer, guard
+        self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
+        self.histories: dict[str, list[dict]] = {}
+
+    # ---- plumbing --------------------------------------------------------------------------
+    @property
+    def target_split(self):
+        return self.t_graph, self.frozen
+
+    def _spec(self, kind: str, objective: str = "rkl") -> steps.StepSpec:
+        s2, dc = self.cfg.stage2, self.ctx.drafter_cfg
+        return steps.StepSpec(
+            kind=kind,
+            block_size=dc.block_size,
+            gamma=dc.loss_gamma,
+            feature_layers=dc.target_layer_ids,
+            objective=objective,
+            alpha=s2.alpha,
+            tau=s2.tau,
+            temperature=s2.temperature,
+        )
+
+    def _checkpointer(self, name: str) -> Checkpointer:
+        c = self.cfg.checkpoint
+        return Checkpointer(
+            self.ctx.path("ckpt", name), save_every=c.every, keep=c.keep, async_save=c.async_save
+        )
+
+    def _iterator(self, data: SequenceData, seed: int, on_policy: bool) -> BatchIterator:
+        return BatchIterator(
+            data,
+            global_batch=self.cfg.batch_size,
+            num_anchors=self.cfg.num_anchors,
+            block_size=self.ctx.drafter_cfg.block_size,
+            seed=seed,
+            on_policy_anchors=on_policy,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    def _begin(self, name, kind, params, groups, clip, objective="rkl"):
+        tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
+        state, shardings = new_train_state(
+            params, self.frozen, tx, mesh=self.mesh, rules=TRAIN_RULES, seed=self.cfg.seed
+        )
+        ckpt = self._checkpointer(name)
+        state, data_state = restore_or_start(ckpt, state, shardings)
+        fn = steps.jit_step(
+            steps.make_step(self._spec(kind, objective), self.d_graph, self.t_graph, tx, schedules),
+            state_shardings=shardings,
+            batch_shardings_=self.bsh,
+        )
+        return state, data_state, ckpt, fn
+
+    def _run(self, name, fn, state, it, total, ckpt, data_extra=None, offset=0):
+        run = StageRun(
+            name=name,
+            step_fn=fn,
+            put=lambda b: steps.put_batch(b, self.bsh),
+            batches=it,
+            total_steps=total,
+            tokens_per_step=self.cfg.batch_size * self.cfg.seq_len,
+            log_every=self.cfg.log_every,
+            writer=self.writer,
+            tag_offset=offset,
+        )
+        try:
+            state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, data_extra=data_extra)
+        finally:
+            self.frozen = state.frozen
+        self.histories.setdefault(name, []).extend(hist)
+        return state
+
+    def _fixed_data_stage(self, name, kind, params, groups, total, data, clip):
+        if total == 0:
+            return params
+        state, data_state, ckpt, fn = self._begin(name, kind, params, groups, clip)
+        it = self._iterator(data, self.cfg.seed, on_policy=False)
+        if data_state:
+            it.set_state(data_state)
+        with ckpt:
+            state = self._run(name, fn, state, it, total, ckpt)
+        return state.params
+
+    # ---- stages ----------------------------------------------------------------------------
+    def stage1(self, params, data: SequenceData):
+        s1 = self.cfg.stage1
+        opt = OptimizerConfig(
+            lr=s1.lr,
+            schedule="cosine",
+            total_steps=max(s1.steps, 1),
+            warmup_steps=int(s1.warmup_fraction * s1.steps),
+            final_lr_fraction=s1.final_lr_fraction,
+            weight_decay=s1.weight_decay,
+            clip_norm=None,
+        )
+        groups = {"drafter": opt, "head": None}
+        return self._fixed_data_stage("stage1", "stage1", params, groups, s1.steps, data, 1.0)
+
+    def head_init(self, params, data: SequenceData):
+        h = self.cfg.head_init
+        opt = OptimizerConfig(lr=h.lr, schedule="constant", clip_norm=None)
+        groups = {"drafter": None, "head": opt}
+        return self._fixed_data_stage("head_init", "head_init", params, groups, h.steps, data, 1.0)
+
+    def stage2(self, method: str, params, pool: SequenceData, pool_prompts):
+        """`rounds` × (collect with the current drafter → train `steps_per_round`)."""
+        s2 = self.cfg.stage2
+        total = s2.rounds * s2.steps_per_round
+        if total == 0:
+            return params, []
+        name = f"stage2_{method}"
+        groups = {
+            "drafter": OptimizerConfig(
+                lr=s2.lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
+            ),
+            "head": OptimizerConfig(
+                lr=s2.head_lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
+            ),
+        }
+        objective = STAGE2_OBJECTIVE[method]
+        state, data_state, ckpt, fn = self._begin(
+            name, "stage2", params, groups, s2.clip_norm, objective
+        )
+        taus = []
+        with ckpt:
+            for r in range(s2.rounds):
+                end = (r + 1) * s2.steps_per_round
+                if int(jax.device_get(state.step)) >= end:
+                    continue
+                data = self.collected(method, r, state.params, pool, pool_prompts)
+                taus.append(data.meta["tau"])
+                if self.writer is not None:
+                    tau = data.meta["tau"]
+                    scalars = {f"{name}/collect_tau_{d}": v for d, v in tau.items()}
+                    scalars[f"{name}/collect_tau"] = float(np.nanmean(list(tau.values())))
+                    self.writer.write(r * s2.steps_per_round, scalars)
+                it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), on_policy=True)
+                if data_state and data_state.get("round") == r:
+                    it.set_state(data_state)
+                state = self._run(name, fn, state, it, end, ckpt, data_extra={"round": r})
+        return state.params, taus
+
+    # ---- on-policy data --------------------------------------------------------------------
+    def round_rows(self, pool: SequenceData, r: int) -> np.ndarray:
+        n = self.cfg.stage2.prompts_per_round
+        perm = np.random.default_rng([self.cfg.seed, 7]).permutation(len(pool))
+        return perm[(r * n + np.arange(n)) % len(pool)]
+
+    def collected(self, method, r, params, pool: SequenceData, pool_prompts) -> SequenceData:
+        """Round r's on-policy trajectories (saved, so a resumed round reuses them)."""
+        path = self.ctx.path("stage2", method, f"round{r}")
+        if SequenceData.exists(path):
+            return SequenceData.load(path)
+        rows = self.round_rows(pool, r)
+        dc, s2 = self.ctx.drafter_cfg, self.cfg.stage2
+        if s2.collector == "replay":
+            sub = SequenceData(
+                tokens=pool.tokens[rows],
+                loss_mask=pool.loss_mask[rows],
+                domain=pool.domain[rows],
+                domains=pool.domains,
+            )
+            trajs = collect.replay(
+                (self.d_graph, params),
+                self.target_split,
+                sub,
+                block_size=dc.block_size,
+                feature_layers=dc.target_layer_ids,
+                span=self.cfg.data.max_new_tokens,
+                batch_size=min(16, len(sub)),
+            )
+        else:
+            sub, trajs = self.engine_rollouts(params, [pool_prompts[i] for i in rows], pool, rows)
+        data = collect.with_visited(sub, trajs)
+        data = dataclasses.replace(data, meta={**data.meta, "round": r})
+        if jax.process_index() == 0:
+            data.save(path)
+        return data
+
+    def engine_rollouts(self, params, prompt_ids, pool: SequenceData, rows, temperature=None):
+        from flax import nnx
+
+        s2 = self.cfg.stage2
+        target = nnx.merge(self.t_graph, self.frozen)
+        drafter = nnx.merge(self.d_graph, params)
+        temp = s2.collect_temperature if temperature is None else temperature
+        responses, trajs = collect.engine_collect(
+            target,
+            drafter,
+            prompt_ids,
+            max_new_tokens=self.cfg.data.max_new_tokens,
+            slots=s2.collect_slots,
+            temperature=temp,
+            seed=self.cfg.seed,
+            eos_ids=self.ctx.eos_ids,
+        )
+        sub = build_sequences(
+            prompt_ids,
+            responses,
+            pool.domain[rows],
+            seq_len=self.cfg.seq_len,
+            pad_id=self.ctx.pad_id,
+            domains=pool.domains,
+        )
+        return sub, trajs
+
+
+def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[str, float]:
+    """τ per domain of a drafter on the held-out set (greedy)."""
+    dc, cfg = trainer.ctx.drafter_cfg, trainer.cfg
+    if cfg.eval.backend == "replay":
+        trajs = collect.replay(
+            (trainer.d_graph, params),
+            trainer.target_split,
+            data,
+            block_size=dc.block_size,
+            feature_layers=dc.target_layer_ids,
+            span=cfg.data.max_new_tokens,
+            batch_size=min(16, len(data)),
+        )
+        return collect.tau_by_domain(data, trajs)
+    rows = np.arange(len(data))
+    sub, trajs = trainer.engine_rollouts(params, prompt_ids, data, rows, temperature=0.0)
+    return collect.tau_by_domain(sub, trajs)
+
+
+def stage_done(ctx: Context, name: str, total: int) -> bool:
+    """Whether a stage's final checkpoint exists (used to report resumed runs)."""
+    path = ctx.path("ckpt", name)
+    return os.path.isdir(os.path.join(path, str(total)))

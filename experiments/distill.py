@@ -1,0 +1,73 @@
+"""Distil an AdaFlash drafter: regenerate → stage 1 → head init → stage 2 → τ → export.
+
+    python -m experiments.distill                                  # embedded tiny default
+    python -m experiments.distill --config experiments/configs/small.py --set stage2.rounds=3
+    python -m experiments.distill --target DIR --init-drafter DFLASH_DIR --run-dir runs/x
+
+`--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
+Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "tiny.py")
+FLAGS = {  # flag → config field
+    "stage1_steps": "stage1.steps",
+    "head_steps": "head_init.steps",
+    "rounds": "stage2.rounds",
+    "steps_per_round": "stage2.steps_per_round",
+    "init_drafter": "draft.init_from",
+    "target": "target_path",
+    "mesh": "mesh",
+    "seed": "seed",
+}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="a file defining get_config()")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--stage1-steps", type=int)
+    p.add_argument("--head-steps", type=int)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--steps-per-round", type=int)
+    p.add_argument("--init-drafter", metavar="DIR")
+    p.add_argument("--target", metavar="DIR", help="HF target directory (default: embedded)")
+    p.add_argument("--mesh", help="data,fsdp,tensor (one may be -1)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from adaflash_jax.distill.config import ConfigError, load_config, override
+    from adaflash_jax.distill.pipeline import Preempted, run
+
+    try:
+        cfg = load_config(args.config)
+        sets = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
+        if bad := [kv for kv in args.set if "=" not in kv]:
+            raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
+        for flag, field in FLAGS.items():
+            value = getattr(args, flag)
+            if value is not None:
+                sets[field] = f"({value})" if flag == "mesh" else value
+        cfg = override(cfg, sets)
+        run(cfg, run_dir=args.run_dir, progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except Preempted as e:
+        print(f"preempted: {e}; rerun with the same --run-dir to resume", file=sys.stderr)
+        return 143
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
