@@ -12,6 +12,7 @@ from flax import nnx
 from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
+from adaflash_jax.decode.verify import verify_forward, write_new_entries
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter, DraftOutput
 from adaflash_jax.model.config import ConfigError, TargetConfig
@@ -116,6 +117,28 @@ def bigram(reference):
         for a, b in zip(seq[:-1], seq[1:]):
             counts[a, b] += 1
     return np.where(counts.sum(1) > 0, counts.argmax(1), (np.arange(V) + 1) % V)
+
+
+def test_copy_free_verify_matches_target_forward(target):
+    """The engine's read-only verify == TargetLM.__call__ with a cache (logits, features,
+    and the cache after writing the new entries), on ragged cache lengths."""
+    lengths = jnp.array([9, 4, 1])
+    prompt = jax.random.randint(jax.random.key(0), (3, 9), 0, V)
+    tokens = jax.random.randint(jax.random.key(1), (3, 4), 0, V)
+
+    @jax.jit
+    def both(prompt, tokens):
+        cache = target(prompt, cache=target.init_cache(3, 24), num_new_B=lengths).cache
+        want = target(tokens, cache=cache, feature_layers=(0, 1))
+        logits, feats, new_k, new_v = verify_forward(target, tokens, cache, (0, 1))
+        return want, logits, feats, write_new_entries(cache, new_k, new_v)
+
+    want, logits, feats, written = both(prompt, tokens)
+    np.testing.assert_allclose(logits, want.logits_BxTxV, atol=1e-5)
+    np.testing.assert_allclose(feats, want.features_BxTxnD, atol=1e-5)
+    for got_k, want_k in zip(written.k + written.v, want.cache.k + want.cache.v):
+        for b, n in enumerate([9, 4, 1]):  # committed prefix + the 4 new entries
+            np.testing.assert_allclose(got_k[b, : n + 4], want_k[b, : n + 4], atol=1e-6)
 
 
 def _requests():

@@ -40,12 +40,8 @@ class Result:
     widths: list[int]  # batch verify width (bucket the target ran) per step
     requested_widths: list[int]  # the width the policy asked for this row per step
     steps: int  # verify steps (the first token comes from the prefill, not a step)
+    tau: float  # mean tokens committed per verify step (accepted + 1); nan without steps
     finish_reason: str  # "eos" or "length"
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per verify step (accepted + 1); nan without steps."""
-        return float(np.mean(self.accepted) + 1.0) if self.accepted else math.nan
 
 
 def _pow2_at_least(n: int, cap: int) -> int:
@@ -254,5 +250,6 @@ class SpeculativeEngine:
                 widths=width[slot, :n].tolist(),
                 requested_widths=req[slot, :n].tolist(),
                 steps=n,
+                tau=float(np.mean(acc[slot, :n]) + 1.0) if n else math.nan,
                 finish_reason="eos" if ids and ids[-1] in eos else "length",
             )

@@ -28,6 +28,7 @@ from flax import nnx, struct
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
+from adaflash_jax.decode.verify import pad_width, verify_forward, write_new_entries
 from adaflash_jax.model.kv_cache import KVCache
 
 
@@ -143,24 +144,29 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
 
 
 def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
-    """Target forward over the first W = buckets[bucket_idx] tokens, padded back to K."""
+    """Target forward over the first W = buckets[bucket_idx] tokens, padded back to K; the
+    branches only read the cache, the new entries are written after the switch (in place;
+    see `verify.py`)."""
     k = spec.block_size
 
     def branch(w):
         def run(cache):
-            out = target(
-                tokens_BxK[:, :w],
-                cache=cache,
-                num_new_B=jnp.zeros_like(cache.lengths),
-                feature_layers=spec.feature_layers,
+            logits, feats, new_k, new_v = verify_forward(
+                target, tokens_BxK[:, :w], cache, spec.feature_layers
             )
-            pad = ((0, 0), (0, k - w), (0, 0))
-            feats = None if out.features_BxTxnD is None else jnp.pad(out.features_BxTxnD, pad)
-            return jnp.pad(out.logits_BxTxV.astype(jnp.float32), pad), feats, out.cache
+            return (
+                pad_width(logits.astype(jnp.float32), k),
+                None if feats is None else pad_width(feats, k),
+                tuple(pad_width(x, k) for x in new_k),
+                tuple(pad_width(x, k) for x in new_v),
+            )
 
         return run
 
-    return jax.lax.switch(bucket_idx, [branch(w) for w in spec.buckets], cache)
+    logits_BxKxV, feats_BxKxnD, new_k, new_v = jax.lax.switch(
+        bucket_idx, [branch(w) for w in spec.buckets], cache
+    )
+    return logits_BxKxV, feats_BxKxnD, write_new_entries(cache, new_k, new_v)
 
 
 def _commit(s: SpecState, tokens_BxK, n_commit_B, active_B) -> SpecState:
