@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from adaflash_jax import embedded
 from adaflash_jax.data.corpus import build_corpus
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.train.mesh import make_mesh
@@ -23,26 +24,33 @@ CFG = micro()
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 3-step run through the CLI, and a run stopped at step 2 then resumed."""
+    """An uninterrupted 3-step run through the CLI; and an embedded-cache build that was
+    interrupted at step 2 (simulated preemption), then finished by default_target_dir."""
     from experiments import pretrain_target
 
-    corpus = build_corpus(CFG.corpus)
     full_dir = str(tmp_path_factory.mktemp("full"))
-    part_dir = str(tmp_path_factory.mktemp("part"))
+    cache = str(tmp_path_factory.mktemp("cache"))
     summary = pretrain_target.main(["--preset", "micro", "--out", full_dir, "--data", "-1"])
     with open(os.path.join(full_dir, "metrics.json")) as f:
         full = json.load(f)
     mesh = make_mesh(data=-1)  # the CLI's mesh: all 8 fake devices on the data axis
-    kw = dict(mesh=mesh, corpus=corpus, progress=False)
-    stopped = run_pretrain(CFG, part_dir, stop_at_step=2, **kw)
-    resumed = run_pretrain(CFG, part_dir, resume=True, **kw)
+    part_dir = os.path.join(cache, embedded.target_dir_name("micro"))
+    corpus = build_corpus(CFG.corpus)
+    stopped = run_pretrain(CFG, part_dir, stop_at_step=2, mesh=mesh, corpus=corpus, progress=False)
+    complete_before = embedded.is_complete(part_dir)
+    built = embedded.default_target_dir("micro", cache_dir=cache, mesh=mesh, progress=False)
+    with open(os.path.join(built, "metrics.json")) as f:
+        resumed = json.load(f)
     return dict(
         summary=summary,
         full=full,
         full_dir=full_dir,
+        cache=cache,
         part_dir=part_dir,
+        built=built,
         stopped=stopped,
         resumed=resumed,
+        complete_before=complete_before,
     )
 
 
@@ -59,10 +67,27 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
     assert runs["stopped"]["status"] == "stopped" and runs["stopped"]["step"] == 2
     full = runs["full"]["train_losses"]
     assert [tuple(x) for x in full[:2]] == [tuple(x) for x in runs["stopped"]["train_losses"]]
-    assert runs["resumed"]["train_losses"] == [tuple(full[2])]  # bit-exact next-step loss
+    assert runs["resumed"]["train_losses"] == [full[2]]  # bit-exact next-step loss
     with open(os.path.join(runs["full_dir"], "model.safetensors"), "rb") as a:
         with open(os.path.join(runs["part_dir"], "model.safetensors"), "rb") as b:
             assert a.read() == b.read()
+
+
+def test_embedded_cache_marks_completion_and_is_reused(runs, monkeypatch):
+    assert not runs["complete_before"] and runs["built"] == runs["part_dir"]
+    assert embedded.is_complete(runs["built"])
+    assert not os.path.isdir(os.path.join(runs["built"], "checkpoints"))  # cache keeps no state
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a complete cache entry was rebuilt")
+
+    import adaflash_jax.train.pretrain as pretrain
+
+    monkeypatch.setattr(pretrain, "run_pretrain", no_rebuild)
+    assert embedded.default_target_dir("micro", cache_dir=runs["cache"]) == runs["built"]
+    monkeypatch.setenv(embedded.ENV_VAR, runs["cache"])
+    assert embedded.default_target_dir("micro") == runs["built"]
+    assert embedded.cache_root() == os.path.abspath(runs["cache"])
 
 
 def test_output_directory_is_a_complete_hf_checkpoint(runs):
