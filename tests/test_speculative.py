@@ -11,8 +11,10 @@ from flax import nnx
 
 from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
+from adaflash_jax.decode.policies import GoodputPolicy
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.decode.verify import verify_forward, write_new_entries
+from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter, DraftOutput
 from adaflash_jax.model.config import ConfigError, TargetConfig
@@ -145,6 +147,11 @@ def _requests():
     return list(zip(PROMPTS, MAX_NEW))
 
 
+def _cut_inside_a_block(result) -> bool:
+    """The last step verified more tokens than the request kept (EOS or max-new cut it)."""
+    return sum(a + 1 for a in result.accepted) > len(result.output_ids) - 1
+
+
 def _check_stats(results, engine):
     for r in results:
         assert r.steps == len(r.accepted) == len(r.widths) == len(r.requested_widths)
@@ -179,6 +186,7 @@ def table_engine(target, bigram):
 def test_oracle_drafter_accepts_and_stays_lossless(table_engine, reference):
     results = table_engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
+    assert any(_cut_inside_a_block(r) for r in results), "max-new should cut a block"
     accepted = [a for r in results for a in r.accepted]
     assert np.mean(accepted) + 1 > 1.5, "the bigram drafter should be right often"
     assert 0 in accepted or min(accepted) < 3, "acceptance should be ragged, not all-or-none"
@@ -192,6 +200,8 @@ def test_oracle_drafter_eos_inside_block(target, bigram, reference):
     )
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["with_eos"]
+    assert results[0].finish_reason == "eos"
+    assert _cut_inside_a_block(results[0]), "EOS should land inside a multi-token commit"
 
 
 def test_adversarial_drafter_is_lossless(target, reference):
@@ -251,6 +261,12 @@ def test_requests_are_validated_before_compute(target, drafter):
     with pytest.raises(EngineError, match="length head"):
         no_head = Drafter(dataclasses.replace(_drafter_cfg(4), length_head=None), rngs=nnx.Rngs(2))
         SpeculativeEngine(target, no_head, slots=2, capacity=CAPACITY, policy="adaflash")
+    table = VerifyCostTable(rows=(1,), widths=(4,), verify_ms=((1.0,),), draft_ms=(0.1,))
+    with pytest.raises(EngineError, match="accept_probs"):
+        head_policy = GoodputPolicy(cost=table, estimator="head")
+        SpeculativeEngine(
+            target, drafter, slots=2, capacity=CAPACITY, buckets=(4,), policy=head_policy
+        )
     other = TargetLM(dataclasses.replace(CFG, num_hidden_layers=1), rngs=nnx.Rngs(3))
     with pytest.raises(ConfigError, match="layer"):
         SpeculativeEngine(other, drafter, slots=2, capacity=CAPACITY)

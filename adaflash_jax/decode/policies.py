@@ -18,8 +18,10 @@ drafts < i were accepted), any of which feeds `goodput`:
 - "length_head": r estimates (A + 1)/K (DESIGN §4.3), so the mean accepted streak is
   m = clip(r·K − 1, 0, K − 1). We assume a constant per-position rate a (a geometric profile)
   and solve Σ_{i=1}^{K−1} a^i = m for a by bisection.
-- "head": a per-position acceptance vector [B, K−1] provided by a future length-head output
-  (trained against greedy match labels); passed in as `PolicyInput.head_accept_BxKm1`.
+- "head": a per-position acceptance vector [B, K−1] from any other source, e.g. a future
+  length-head output trained against greedy match labels: the engine fills
+  `PolicyInput.head_accept_BxKm1` from `drafter.length_head.accept_probs(hidden_BxKxD)`
+  when the drafter's head has that method.
 """
 
 from __future__ import annotations
@@ -151,6 +153,10 @@ class GoodputPolicy:
     def needs_length_head(self) -> bool:
         return self.estimator == "length_head"
 
+    @property
+    def needs_accept_head(self) -> bool:
+        return self.estimator == "head"
+
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise PolicyError(f"unknown estimator {self.estimator!r}; choose from {ESTIMATORS}")
@@ -161,8 +167,8 @@ class GoodputPolicy:
             raise PolicyError(
                 f"verify-cost table has widths {self.cost.widths}, missing buckets {missing}"
             )
-        if self.needs_length_head and not has_length_head:
-            raise PolicyError("goodput with estimator 'length_head' needs a length head")
+        if (self.needs_length_head or self.needs_accept_head) and not has_length_head:
+            raise PolicyError(f"goodput with estimator {self.estimator!r} needs a length head")
 
     def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.decode import speculative as sp
-from adaflash_jax.decode.policies import PolicyError, make_policy
+from adaflash_jax.decode.policies import FixedPolicy, PolicyError, make_policy
 from adaflash_jax.decode.verify_cost import VerifyCostTable, load_or_calibrate
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
@@ -100,7 +100,9 @@ class SpeculativeEngine:
         self.seed = seed
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-        if isinstance(policy, str):
+        if drafter is None:
+            policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
+        elif isinstance(policy, str):
             if policy == "goodput" and not isinstance(cost_table, VerifyCostTable):
                 cost_table = load_or_calibrate(
                     target,
@@ -128,7 +130,13 @@ class SpeculativeEngine:
             policy=policy,
             acceptance=acceptance,
             use_length_head=drafter is not None and policy.needs_length_head,
+            use_accept_head=drafter is not None and getattr(policy, "needs_accept_head", False),
         )
+        if self.spec.use_accept_head and not hasattr(drafter.length_head, "accept_probs"):
+            raise EngineError(
+                "the policy reads per-position acceptance from the length head, but this "
+                "drafter's head has no accept_probs output"
+            )
         self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)

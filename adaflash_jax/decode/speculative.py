@@ -63,6 +63,7 @@ class EngineSpec:
     policy: object = FixedPolicy()
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
     use_length_head: bool = False
+    use_accept_head: bool = False  # policy reads `length_head.accept_probs` [B, K−1]
 
     def __post_init__(self):
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.block_size:
@@ -73,7 +74,12 @@ class EngineSpec:
         """Only what the prefill depends on, so engines that differ in policy, buckets or
         acceptance share prefill programs."""
         return dataclasses.replace(
-            self, buckets=(self.block_size,), policy=None, acceptance=None, use_length_head=False
+            self,
+            buckets=(self.block_size,),
+            policy=None,
+            acceptance=None,
+            use_length_head=False,
+            use_accept_head=False,
         )
 
     def top_p(self, s: SpecState):
@@ -134,7 +140,9 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         hidden_BxKxD=hidden,
         logits_BxKm1xV=logits_BxKm1xV,
         length_r_B=drafter.length_head(hidden) if spec.use_length_head else None,
-        head_accept_BxKm1=None,
+        head_accept_BxKm1=(
+            drafter.length_head.accept_probs(hidden) if spec.use_accept_head else None
+        ),
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
     )
