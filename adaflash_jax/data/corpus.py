@@ -18,7 +18,10 @@ from collections.abc import Iterable
 
 from adaflash_jax.data import dialogue, math_gen, sources
 
-CORPUS_VERSION = "stdlib-mix-v1"
+# Bump when any document or prompt changes (it keys the embedded-target cache). The split
+# salt stays fixed across versions so held-out sets remain comparable.
+CORPUS_VERSION = "stdlib-mix-v2"
+_SPLIT_SALT = "stdlib-mix-v1"
 DOMAINS = ("code", "prose", "math", "dialogue")
 SPLITS = ("train", "eval")
 
@@ -63,12 +66,12 @@ class Document:
 
 
 def split_of(domain: str, key: str, eval_fraction: float) -> str:
-    u = sources.stable_hash(CORPUS_VERSION, "split", domain, key) / 2.0**64
+    u = sources.stable_hash(_SPLIT_SALT, "split", domain, key) / 2.0**64
     return "eval" if u < eval_fraction else "train"
 
 
 def _fraction_pick(tag: str, key: str, fraction: float) -> bool:
-    return sources.stable_hash(CORPUS_VERSION, tag, key) / 2.0**64 < fraction
+    return sources.stable_hash(_SPLIT_SALT, tag, key) / 2.0**64 < fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +182,7 @@ def _metadata(cfg, root, code_files, prose_files, reference_provenance, document
             }
     digest = hashlib.sha256()
     for d in documents:
-        digest.update(f"{d.domain}\x1f{d.key}\x1f{d.split}\x1f{d.text}\x1e".encode())
+        digest.update(f"{d.domain}\x1f{d.key}\x1f{d.split}\x1f{d.prompt}\x1f{d.text}\x1e".encode())
     return {
         "corpus_version": CORPUS_VERSION,
         "config": dataclasses.asdict(cfg),

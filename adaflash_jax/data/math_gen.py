@@ -119,7 +119,7 @@ def render_problem(statement: str, steps: list[str], answer: str) -> tuple[str, 
     """(prompt, full text) in the corpus's plain-text math format."""
     prompt = f"Problem: {statement}\nSolution:\n"
     body = "".join(f"Step {i}: {s}\n" for i, s in enumerate(steps, 1))
-    return prompt, f"{prompt}{body}Answer: {answer}\n"
+    return prompt, f"{prompt}{body}Answer: {answer}"
 
 
 def math_documents(seed: int, count: int) -> list[RawDoc]:

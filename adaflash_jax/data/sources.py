@@ -5,6 +5,9 @@ from the docstrings of a DISJOINT set of stdlib files, the language reference to
 in `pydoc_data`, and `LICENSE.txt`. Keeping the two file sets disjoint means a docstring that
 sits inside a held-out code document never reappears as a training prose document.
 
+Documents carry no trailing newline: EOS follows the last character directly. Otherwise
+"\n" -> EOS becomes one of the commonest bigrams and a small model ends answers early.
+
 Everything here is deterministic for a given Python installation; provenance (paths and
 byte counts) is returned with the documents so the corpus metadata can record it.
 """
@@ -143,10 +146,13 @@ def code_documents(root: str, files: list[str], max_chars: int = 6000) -> list[R
             has_doc = docstring is not None and len(node.body) > 1
             # The prompt ends after the docstring (or, without one, after the signature).
             cut = (first.end_lineno if has_doc else first.lineno - 1) - start
-            text = textwrap.dedent("\n".join(block)) + "\n"
+            text = textwrap.dedent("\n".join(block))
             if not 80 <= len(text) <= max_chars:
                 continue
-            prompt = "".join(text.splitlines(keepends=True)[:cut])
+            # No trailing newline: in the document it merges with the next line's indent into
+            # one whitespace token, so a prompt ending in a lone "\n" would be out of
+            # distribution (the model has mostly seen "\n" right before EOS).
+            prompt = "".join(text.splitlines(keepends=True)[:cut]).removesuffix("\n")
             docs.append(
                 RawDoc(
                     key=f"{rel}:{qualname}",
@@ -170,7 +176,7 @@ def _opening_sentence(text: str) -> str:
 
 
 def _prose_doc(key: str, text: str, title: str) -> RawDoc | None:
-    text = text.strip() + "\n"
+    text = text.strip()
     if len(text) < 200:
         return None
     opening = _opening_sentence(text)
