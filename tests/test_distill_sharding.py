@@ -47,7 +47,7 @@ def setup():
     target = TargetLM(TARGET, rngs=nnx.Rngs(0))
     t_graph, t_params = nnx.split(target, nnx.Param)
     cfg = DrafterConfig.for_target(
-        TARGET, mask_token_id=127, num_layers=2, block_size=K, target_layer_ids=(0, 1)
+        TARGET, mask_token_id=127, num_layers=1, block_size=K, target_layer_ids=(0, 1)
     )
     one = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     d_graph, d_params = fresh_drafter(cfg, mesh=one, rules=TRAIN_RULES, seed=1)
@@ -69,9 +69,7 @@ def _run(setup, mesh_shape, kind, n_steps=2):
     }[kind]
     tx, schedules = steps.make_optimizer(groups, clip_norm=1.0)
     state, shardings = new_train_state(params, frozen, tx, mesh=mesh, rules=TRAIN_RULES, seed=0)
-    spec = steps.StepSpec(
-        kind=kind, block_size=K, gamma=2.0, feature_layers=(0, 1), alpha=0.5, tau=0.05
-    )
+    spec = steps.StepSpec(kind=kind, block_size=K, gamma=2.0, feature_layers=(0, 1))
     bsh = steps.batch_shardings(mesh, TRAIN_RULES, B)
     fn = steps.jit_step(
         steps.make_step(spec, d_graph, t_graph, tx, schedules),
@@ -80,7 +78,7 @@ def _run(setup, mesh_shape, kind, n_steps=2):
     )
     metrics = []
     for _ in range(n_steps):
-        state, m = fn(state, steps.put_batch(_batch(), bsh))
+        state, m = fn(state, steps.put_batch(_batch(), bsh, {"alpha": 0.5, "tau": 0.05}))
         metrics.append(jax.device_get(m))
     return metrics, jax.device_get(state.params)
 

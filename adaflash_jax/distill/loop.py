@@ -34,7 +34,6 @@ class StageRun:
     tokens_per_step: int
     log_every: int = 10
     writer: object | None = None  # ScalarWriter
-    tag_offset: int = 0  # added to the step in TensorBoard (stage-2 rounds share a tag)
     on_step: Callable[[int], None] | None = None  # test hook: called after each step
 
 
@@ -90,11 +89,11 @@ def run_stage(
                 if steps_since:
                     m["tokens_per_s"] = steps_since * run.tokens_per_step / (now - t_last)
                 t_last, steps_since = now, 0
-                m["step"] = done + run.tag_offset
+                m["step"] = done
                 history.append(m)
                 if run.writer is not None:
                     run.writer.write(
-                        done + run.tag_offset,
+                        done,
                         {f"{run.name}/{k}": v for k, v in m.items() if k != "step"},
                     )
                 bar.update(0, loss=m["loss"])

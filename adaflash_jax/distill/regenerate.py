@@ -48,7 +48,7 @@ def generate_greedy(
 
     graphdef, state = target_split
     p_pad = -(-max(len(p) for p in prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-    b = min(batch_size, len(prompt_ids))
+    b = batch_size  # not capped by the prompt count: every split shares one program
     out: list[list[int]] = []
     starts = range(0, len(prompt_ids), b)
     for start in tqdm(starts, desc="regenerate", disable=not progress or jax.process_index()):

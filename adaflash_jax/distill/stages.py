@@ -41,17 +41,14 @@ class Trainer:
     def target_split(self):
         return self.t_graph, self.frozen
 
-    def _spec(self, kind: str, objective: str = "rkl") -> steps.StepSpec:
-        s2, dc = self.cfg.stage2, self.ctx.drafter_cfg
+    def _spec(self, kind: str, divergence: str = "rkl") -> steps.StepSpec:
+        dc = self.ctx.drafter_cfg
         return steps.StepSpec(
             kind=kind,
             block_size=dc.block_size,
             gamma=dc.loss_gamma,
             feature_layers=dc.target_layer_ids,
-            objective=objective,
-            alpha=s2.alpha,
-            tau=s2.tau,
-            temperature=s2.temperature,
+            divergence=divergence,
         )
 
     def _checkpointer(self, name: str) -> Checkpointer:
@@ -72,7 +69,7 @@ class Trainer:
             process_count=jax.process_count(),
         )
 
-    def _begin(self, name, kind, params, groups, clip, objective="rkl"):
+    def _begin(self, name, kind, params, groups, clip, divergence="rkl"):
         tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
         state, shardings = new_train_state(
             params, self.frozen, tx, mesh=self.mesh, rules=TRAIN_RULES, seed=self.cfg.seed
@@ -80,23 +77,24 @@ class Trainer:
         ckpt = self._checkpointer(name)
         state, data_state = restore_or_start(ckpt, state, shardings)
         fn = steps.jit_step(
-            steps.make_step(self._spec(kind, objective), self.d_graph, self.t_graph, tx, schedules),
+            steps.make_step(
+                self._spec(kind, divergence), self.d_graph, self.t_graph, tx, schedules
+            ),
             state_shardings=shardings,
             batch_shardings_=self.bsh,
         )
         return state, data_state, ckpt, fn
 
-    def _run(self, name, fn, state, it, total, ckpt, data_extra=None, offset=0):
+    def _run(self, name, fn, state, it, total, ckpt, data_extra=None, knobs=None):
         run = StageRun(
             name=name,
             step_fn=fn,
-            put=lambda b: steps.put_batch(b, self.bsh),
+            put=lambda b: steps.put_batch(b, self.bsh, knobs),
             batches=it,
             total_steps=total,
             tokens_per_step=self.cfg.batch_size * self.cfg.seq_len,
             log_every=self.cfg.log_every,
             writer=self.writer,
-            tag_offset=offset,
         )
         try:
             state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, data_extra=data_extra)
@@ -152,9 +150,14 @@ class Trainer:
                 lr=s2.head_lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
             ),
         }
-        objective = STAGE2_OBJECTIVE[method]
+        divergence, alpha = STAGE2_OBJECTIVE[method]
+        knobs = {
+            "alpha": s2.alpha if alpha is None else alpha,
+            "tau": s2.tau,
+            "temperature": s2.temperature,
+        }
         state, data_state, ckpt, fn = self._begin(
-            name, "stage2", params, groups, s2.clip_norm, objective
+            name, "stage2", params, groups, s2.clip_norm, divergence
         )
         taus = []
         with ckpt:
@@ -172,7 +175,7 @@ class Trainer:
                 it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), on_policy=True)
                 if data_state and data_state.get("round") == r:
                     it.set_state(data_state)
-                state = self._run(name, fn, state, it, end, ckpt, data_extra={"round": r})
+                state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
         return state.params, taus
 
     # ---- on-policy data --------------------------------------------------------------------

@@ -36,6 +36,9 @@ from adaflash_jax.train.state import TrainState, batch_sharding
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 KINDS = ("stage1", "head_init", "stage2")
 BATCH_KEYS = ("tokens", "loss_mask", "anchors", "valid")
+# Stage-2 loss weights ride in the batch as replicated scalars, so methods that differ only
+# in weights (AdaFlash α = 0.8, `sft` α = 1) share one compiled program.
+KNOB_KEYS = ("alpha", "tau", "temperature")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,16 +47,13 @@ class StepSpec:
     block_size: int
     gamma: float
     feature_layers: tuple[int, ...]
-    objective: str = "rkl"  # stage 2 only: rkl | fkl | sft
-    alpha: float = 0.8
-    tau: float = 0.01
-    temperature: float = 1.0
+    divergence: str = "rkl"  # stage 2 only: rkl | fkl (the clipped KL term's direction)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}; choose from {KINDS}")
-        if self.objective not in losses.OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}")
+        if self.divergence not in ("rkl", "fkl"):
+            raise ValueError(f"unknown divergence {self.divergence!r}")
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -165,10 +165,10 @@ def make_step(
                     logits,
                     teacher_BxNxPxV,
                     weights_BxNxP,
-                    objective=spec.objective,
-                    alpha=spec.alpha,
-                    tau=spec.tau,
-                    temperature=spec.temperature,
+                    objective=spec.divergence,
+                    alpha=batch["alpha"],
+                    tau=batch["tau"],
+                    temperature=batch["temperature"],
                 )
                 accepted = losses.accepted_streak(jnp.argmax(logits, -1), best_BxNxP, mask_BxNxP)
                 mse, mae = _head_loss(drafter, hidden, accepted, valid, k)
@@ -194,7 +194,9 @@ def make_step(
 
 
 def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int) -> dict[str, NamedSharding]:
-    return {key: batch_sharding(mesh, rules, 2, batch_size) for key in BATCH_KEYS}
+    out = {key: batch_sharding(mesh, rules, 2, batch_size) for key in BATCH_KEYS}
+    out.update({key: NamedSharding(mesh, PartitionSpec()) for key in KNOB_KEYS})
+    return out
 
 
 def jit_step(step_fn, *, state_shardings, batch_shardings_: dict, donate: bool = True):
@@ -208,6 +210,11 @@ def jit_step(step_fn, *, state_shardings, batch_shardings_: dict, donate: bool =
     )
 
 
-def put_batch(batch: dict, shardings: dict) -> dict:
-    """This process's rows → global arrays (per-host input sharding)."""
-    return {k: jax.make_array_from_process_local_data(shardings[k], batch[k]) for k in BATCH_KEYS}
+def put_batch(batch: dict, shardings: dict, knobs: Mapping[str, float] | None = None) -> dict:
+    """This process's rows → global arrays (per-host input sharding), plus the loss knobs
+    (default α 0.8, τ 0.01, T 1; stage 1 and head init ignore them)."""
+    out = {k: jax.make_array_from_process_local_data(shardings[k], batch[k]) for k in BATCH_KEYS}
+    knobs = {"alpha": 0.8, "tau": 0.01, "temperature": 1.0, **(knobs or {})}
+    for k in KNOB_KEYS:
+        out[k] = jax.device_put(jnp.float32(knobs[k]), shardings[k])
+    return out

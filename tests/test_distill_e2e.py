@@ -1,0 +1,140 @@
+"""End-to-end micro runs of `python -m experiments.distill` → loadable exports + report."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from adaflash_jax.drafter.checkpoint import load_drafter
+from adaflash_jax.model.checkpoint import save_target
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+from adaflash_jax.tokenizer import write_byte_tokenizer
+from adaflash_jax.train.tensorboard import read_scalars
+from experiments import distill as cli
+
+CONFIG = """
+from adaflash_jax.distill.config import *
+
+def get_config():
+    return RunConfig(
+        name="micro", target_path={target!r}, batch_size=8, seq_len=32, num_anchors=4,
+        log_every=1,
+        data=DataSpec(train_prompts={prompts!r}, eval_prompts={prompts!r}, train_per_domain=4,
+                      eval_per_domain=2, max_prompt_len=12, max_new_tokens=16, regen_batch=8,
+                      regen_dir={regen!r}),
+        draft=DraftSpec(layers=1, block_size=4, target_layer_ids=(0, 1)),
+        stage1=Stage1Spec(steps=3), head_init=HeadInitSpec(steps=2),
+        stage2=Stage2Spec(rounds=2, steps_per_round=1, prompts_per_round=8),
+        checkpoint=CheckpointSpec(every=2),
+    )
+"""
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A random micro target with a byte tokenizer, prompts in two domains, a config file."""
+    root = tmp_path_factory.mktemp("micro")
+    target_dir = str(root / "target")
+    vocab = write_byte_tokenizer(target_dir)  # its specials include <|mask|>
+    cfg = TargetConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        eos_token_id=256,
+    )
+    save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), target_dir)
+    prompts = str(root / "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for i in range(8):
+            rec = {"domain": "code", "prompt": f"def f{i}(x):"}
+            if i % 2:
+                rec = {"domain": "chat", "messages": [{"role": "user", "content": f"Hi {i}"}]}
+            f.write(json.dumps(rec) + "\n")
+    config = str(root / "micro.py")
+    with open(config, "w") as f:
+        f.write(CONFIG.format(target=target_dir, prompts=prompts, regen=str(root / "regen")))
+    return config, root
+
+
+def _check_export(path):
+    drafter = load_drafter(path)
+    assert drafter.length_head is not None and drafter.config.block_size == 4
+
+
+def test_full_micro_pipeline(micro):
+    config, root = micro
+    run_dir = str(root / "run")
+    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    with open(os.path.join(run_dir, "report.json")) as f:
+        report = json.load(f)
+    assert set(report["tau"]) == {"stage1", "adaflash", "sft"}
+    for per_domain in report["tau"].values():
+        assert set(per_domain) == {"code", "chat"}
+        assert all(1.0 <= t <= 4.0 for t in per_domain.values())
+    assert report["wall_s"] > 0 and set(report["summary"]["adaflash"]) == {"mean", "cv"}
+    for method in ("stage1", "adaflash", "sft"):
+        _check_export(os.path.join(run_dir, "export", method))
+    for png in ("tau.png", "losses.png"):
+        assert os.path.getsize(os.path.join(run_dir, png)) > 1000
+    tags = set(read_scalars(os.path.join(run_dir, "tb")))
+    for tag in (
+        "stage1/ce",
+        "stage1/ce_acc",
+        "stage1/lr_drafter",
+        "stage1/grad_norm",
+        "stage1/tokens_per_s",
+        "head_init/head_mae",
+        "stage2_adaflash/kl_clipped",
+        "stage2_adaflash/clip_ratio",
+        "stage2_adaflash/head_mse",
+        "stage2_adaflash/lr_head",
+        "stage2_adaflash/collect_tau",
+    ):
+        assert tag in tags, tag
+    # a rerun resumes: every stage restores from its final checkpoint, same τ
+    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    with open(os.path.join(run_dir, "report.json")) as f:
+        again = json.load(f)
+    for method, per_domain in report["tau"].items():
+        for domain, t in per_domain.items():
+            np.testing.assert_allclose(again["tau"][method][domain], t)
+    # experiments.export turns a checkpoint into the same export
+    from experiments import export
+
+    out = str(root / "exported")
+    assert export.main([run_dir, "--out", out]) == 0
+    a, b = load_drafter(out), load_drafter(os.path.join(run_dir, "export", "adaflash"))
+    np.testing.assert_array_equal(a.fc.kernel[...], b.fc.kernel[...])
+
+
+def test_untrained_export(micro):
+    config, root = micro
+    run_dir = str(root / "run0")
+    args = ["--config", config, "--run-dir", run_dir, "--stage1-steps", "0", "--rounds", "0"]
+    assert cli.main([*args, "--head-steps", "0", "--no-progress"]) == 0
+    _check_export(os.path.join(run_dir, "export", "stage1"))
+
+
+@pytest.mark.parametrize(
+    "flags,field",
+    [
+        (["--mesh", "3,1,1"], "mesh"),
+        (["--set", "draft.mask_token_id=9999"], "draft.mask_token_id"),
+        (["--set", "draft.block_size=64"], "draft.block_size"),
+        (["--set", "batch_size=12"], "batch_size"),
+        (["--set", "stage1.stepz=1"], "stage1.stepz"),
+    ],
+)
+def test_bad_configs_fail_before_compute(micro, capsys, flags, field):
+    config, root = micro
+    run_dir = str(root / "bad")
+    assert cli.main(["--config", config, "--run-dir", run_dir, *flags]) == 2
+    assert field in capsys.readouterr().err
+    assert not os.path.exists(run_dir)  # nothing was written
