@@ -158,3 +158,61 @@ def test_mesh_errors_name_the_field():
         make_mesh(-1, -1, 1)
     with pytest.raises(ValueError, match="tensor"):
         make_mesh(-1, 1, 3)
+
+
+def test_grouped_optimizer_gives_each_group_its_lr():
+    import optax
+    from flax import nnx
+
+    from adaflash_jax.model.target import TargetLM
+    from adaflash_jax.train.optimizer import OptimizerConfig, make_grouped_optimizer
+
+    cfg = CFG.target_config(64, 0)
+    params = nnx.state(TargetLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    groups = {
+        "embed": OptimizerConfig(lr=1e-1, schedule="constant", weight_decay=0.0),
+        "rest": OptimizerConfig(lr=1e-4, schedule="constant", weight_decay=0.0),
+    }
+    tx, schedules = make_grouped_optimizer(
+        groups, lambda path: "embed" if path.startswith("embed") else "rest"
+    )
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    # Adam's first step moves every weight by ~lr, whatever the (clipped) gradient size.
+    assert float(jnp.abs(updates["embed_tokens"][...]).max()) == pytest.approx(1e-1, rel=1e-3)
+    assert float(jnp.abs(updates["norm"]["weight"][...]).max()) == pytest.approx(1e-4, rel=1e-3)
+    assert float(schedules["rest"](0)) == pytest.approx(1e-4)
+    bad, _ = make_grouped_optimizer(groups, lambda path: "nope")
+    with pytest.raises(ValueError, match="unknown group 'nope'"):
+        bad.init(params)
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_preemption_guard_turns_sigterm_into_a_flag():
+    import signal
+
+    from adaflash_jax.train.checkpointing import PreemptionGuard
+
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionGuard() as guard:
+        assert not guard.should_stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_distributed_init_is_a_noop_for_one_process(monkeypatch):
+    from adaflash_jax.train import mesh as mesh_lib
+
+    for var in (
+        "COORDINATOR_ADDRESS",
+        "JAX_COORDINATOR_ADDRESS",
+        "TPU_WORKER_HOSTNAMES",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "MEGASCALE_COORDINATOR_ADDRESS",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    assert mesh_lib.maybe_initialize_distributed() is False
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
+    assert mesh_lib._detected_multi_process()
