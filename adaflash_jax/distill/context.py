@@ -59,9 +59,10 @@ def default_run_dir(cfg: RunConfig) -> str:
 
 def _target_dir(cfg: RunConfig, progress: bool) -> str:
     if cfg.target_path is not None:
-        if not os.path.isdir(cfg.target_path):
+        path = os.path.expanduser(cfg.target_path)
+        if not os.path.isdir(path):
             raise ConfigError(f"target_path {cfg.target_path} is not a directory")
-        return cfg.target_path
+        return path
     from adaflash_jax.embedded import default_target_dir
 
     return default_target_dir(cfg.embedded_preset, progress=progress)
