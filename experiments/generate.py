@@ -1,26 +1,32 @@
-"""Generate with a target: `python -m experiments.generate --target DIR --prompt "Hi" --json`."""
+"""Generate with a target, plainly or speculatively with a DFlash/AdaFlash drafter.
+
+python -m experiments.generate --target DIR --prompt "Hi" --json
+python -m experiments.generate --drafter DIR [--block-size K] [--policy goodput] [--slots N]
+
+With --drafter the prompts flow through `SpeculativeEngine` (continuous batching over
+--slots slots, default: one per prompt); --json objects then add `accepted` (accepted drafts
+per verify step), `tau` (mean accepted + 1) and `steps`. Greedy output equals plain output.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import math
 import os
 
 import jax.numpy as jnp
 
 from adaflash_jax.decode.generate import GenerateError, generate
+from adaflash_jax.decode.policies import POLICY_NAMES, PolicyError
+from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.model.checkpoint import CheckpointError, load_target
-from adaflash_jax.tokenizer import (
-    CHATML_TEMPLATE,
-    Tokenizer,
-    TokenizerError,
-    write_byte_tokenizer,
-)
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.tokenizer import Tokenizer, TokenizerError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", help="HF model dir (default: the embedded default target)")
     p.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="e.g. 1,2,3 (repeatable)")
@@ -31,41 +37,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    return p.parse_args(argv)
+    s = p.add_argument_group("speculative decoding (with --drafter)")
+    s.add_argument("--drafter", help="DFlash/AdaFlash drafter dir: decode speculatively")
+    s.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
+    s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
+    s.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
+    a = p.parse_args(argv)
+    if a.drafter is None and (a.block_size or a.slots or a.policy != "fixed" or a.cost_table):
+        p.error("--block-size/--slots/--policy/--cost-table need --drafter")
+    return a
 
 
 def default_target_dir() -> str:
-    if importlib.util.find_spec("adaflash_jax.embedded") is not None:
-        from adaflash_jax.embedded import default_target_dir as embedded_dir
+    from adaflash_jax.embedded import default_target_dir as embedded_dir
 
-        return os.fspath(embedded_dir())
-    return random_tiny_target_dir()
-
-
-def random_tiny_target_dir() -> str:
-    """PLACEHOLDER until the embedded target exists: a tiny random Qwen3 + byte tokenizer."""
-    from flax import nnx
-
-    from adaflash_jax.model.checkpoint import save_target
-    from adaflash_jax.model.config import TargetConfig
-    from adaflash_jax.model.target import TargetLM
-
-    cache = os.environ.get("ADAFLASH_CACHE", os.path.expanduser("~/.cache/adaflash_jax"))
-    path = os.path.join(cache, "random_tiny")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        vocab = write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
-        cfg = TargetConfig(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            eos_token_id=256,
-        )
-        save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), path)
-    return path
+    return os.fspath(embedded_dir())
 
 
 def build_requests(args, tok: Tokenizer | None) -> list[list[int]]:
@@ -82,21 +69,58 @@ def build_requests(args, tok: Tokenizer | None) -> list[list[int]]:
     return prompts
 
 
-def print_results(args, tok: Tokenizer | None, prompts, outputs) -> None:
-    for prompt, out in zip(prompts, outputs):
+def print_results(args, tok: Tokenizer | None, prompts, outputs, stats=None) -> None:
+    """`stats`: per prompt {accepted, tau, steps} from speculative decoding, or None."""
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         text = tok.decode(out) if tok is not None else None
+        extra = stats[i] if stats is not None else {}
         if args.json:
-            print(json.dumps({"prompt_ids": prompt, "output_ids": out, "text": text}))
+            print(json.dumps({"prompt_ids": prompt, "output_ids": out, "text": text, **extra}))
         else:
-            print(f"[{len(prompt)} prompt tokens] -> {text if text is not None else out}")
+            spec = f" (tau {extra['tau']:.2f}, {extra['steps']} steps)" if extra else ""
+            print(f"[{len(prompt)} prompt tokens]{spec} -> {text if text is not None else out}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         run(args)
-    except (GenerateError, TokenizerError, CheckpointError, FileNotFoundError) as e:
+    except (GenerateError, EngineError, PolicyError, TokenizerError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
+    except (ConfigError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def speculative(args, model, prompts, eos):
+    """(outputs, per-prompt stats) through the engine; greedy output equals `generate`."""
+    from adaflash_jax.drafter.checkpoint import load_drafter
+
+    drafter = load_drafter(args.drafter, dtype=model.dtype)
+    try:
+        drafter.config.validate_against(model.config)
+    except ConfigError as e:
+        raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
+    k = args.block_size or drafter.config.block_size
+    need = max(len(p) for p in prompts) + args.max_new_tokens + k
+    engine = SpeculativeEngine(
+        model,
+        drafter,
+        slots=args.slots or len(prompts),
+        capacity=min(16 * math.ceil(need / 16), model.config.max_position_embeddings),
+        block_size=args.block_size,
+        policy=args.policy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=eos,
+        cost_table=args.cost_table,
+    )
+    results = engine.generate([(p, args.max_new_tokens) for p in prompts])
+    stats = [
+        {"accepted": r.accepted, "tau": None if r.steps == 0 else r.tau, "steps": r.steps}
+        for r in results
+    ]
+    return [r.output_ids for r in results], stats
 
 
 def run(args) -> None:
@@ -106,6 +130,10 @@ def run(args) -> None:
     model = load_target(target_dir, dtype=getattr(jnp, args.dtype))
     prompts = build_requests(args, tok)
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
+    if args.drafter is not None:
+        outputs, stats = speculative(args, model, prompts, eos)
+        print_results(args, tok, prompts, outputs, stats)
+        return
     outputs = generate(
         model,
         prompts,

@@ -1,0 +1,93 @@
+"""The generate CLI's speculative path: greedy output equals plain output, JSON statistics,
+and clear errors for a drafter that does not fit the target."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from flax import nnx
+
+from adaflash_jax.model.checkpoint import save_target
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+from adaflash_jax.tokenizer import CHATML_TEMPLATE, write_byte_tokenizer
+from experiments import generate as generate_cli
+from experiments import init_drafter
+
+
+def _target(path, hidden: int) -> str:
+    vocab = write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
+    cfg = TargetConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        eos_token_id=256,
+    )
+    save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec_cli")
+    target = _target(root / "target", 32)
+    other = _target(root / "other", 48)
+    drafter = str(root / "drafter")
+    argv = ["--target", target, "--out", drafter, "--layers", "1", "--block-size", "4"]
+    init_drafter.main(argv + ["--num-features", "2", "--dtype", "float32"])
+    return {"target": target, "other": other, "drafter": drafter}
+
+
+def _rows(capsys, argv):
+    generate_cli.main(argv)
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+def test_greedy_speculative_equals_plain(dirs, capsys):
+    prompts = ["--prompt", "hello there", "--prompt-ids", "5,6,7,8,9,10,11", "--prompt", "x"]
+    base = ["--target", dirs["target"], *prompts, "--max-new-tokens", "12", "--json"]
+    plain = _rows(capsys, base)
+    assert all("tau" not in r for r in plain)
+    # 2 slots for 3 prompts (continuous batching) and a block-size override (4 → 3)
+    spec_args = ["--drafter", dirs["drafter"], "--slots", "2", "--block-size", "3"]
+    spec = _rows(capsys, base + spec_args)
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    assert [r["text"] for r in spec] == [r["text"] for r in plain]
+    for r in spec:
+        assert r["steps"] == len(r["accepted"]) >= 1
+        assert all(0 <= a <= 2 for a in r["accepted"])  # at most K − 1 = 2 drafts
+        assert r["tau"] == pytest.approx(sum(a + 1 for a in r["accepted"]) / r["steps"])
+        # the prefill gives the first token, each step accepted + 1 (EOS/max may cut)
+        assert len(r["output_ids"]) <= 1 + sum(a + 1 for a in r["accepted"])
+    # text mode (same compiled programs) reports τ per prompt
+    generate_cli.main([a for a in base if a != "--json"] + spec_args)
+    assert capsys.readouterr().out.count("tau") == 3
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--drafter", "{drafter}", "--target", "{other}"], "does not fit target.*hidden_size"),
+        (["--drafter", "{target}/missing"], "does not exist"),
+        (["--drafter", "{drafter}", "--block-size", "1"], "block_size must be >= 2"),
+        (["--drafter", "{drafter}", "--policy", "goodput", "--cost-table", "{target}/x"], "x"),
+        (["--policy", "goodput"], "need --drafter"),
+    ],
+)
+def test_errors(dirs, capsys, argv, match):
+    argv = [a.format(**dirs) for a in argv]
+    if "--target" not in argv:
+        argv = ["--target", dirs["target"], *argv]
+    argv += ["--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    with pytest.raises(SystemExit) as e:
+        generate_cli.main(argv)
+    msg = str(e.value) if e.value.code != 2 else capsys.readouterr().err
+    assert e.value.code != 0
+    assert re.search(match, msg), msg
