@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 
+from adaflash_jax.distill import fs
 from adaflash_jax.distill.anchors import example_rng, sample_anchors
 
 
@@ -48,32 +48,25 @@ class SequenceData:
 
     def save(self, path: str) -> None:
         """Arrays first, meta.json last: a directory with meta.json is complete."""
-        os.makedirs(path, exist_ok=True)
         arrays = dict(tokens=self.tokens, loss_mask=self.loss_mask, domain=self.domain)
         if self.visited is not None:
             arrays["visited"] = self.visited
-        tmp = os.path.join(path, "data.tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, os.path.join(path, "data.npz"))
-        with open(os.path.join(path, "meta.json.tmp"), "w") as f:
-            json.dump({**self.meta, "domains": list(self.domains)}, f, indent=1)
-        os.replace(os.path.join(path, "meta.json.tmp"), os.path.join(path, "meta.json"))
+        fs.save_npz(f"{path}/data.npz", **arrays)
+        meta = {**self.meta, "domains": list(self.domains)}
+        fs.write_text(f"{path}/meta.json", json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, path: str) -> SequenceData:
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.isfile(meta_path):
+        if not fs.exists(f"{path}/meta.json"):
             raise FileNotFoundError(f"no complete sequence dataset at {path} (meta.json missing)")
-        with open(meta_path) as f:
-            meta = json.load(f)
-        with np.load(os.path.join(path, "data.npz")) as z:
-            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(fs.read_text(f"{path}/meta.json"))
+        arrays = fs.load_npz(f"{path}/data.npz")
         domains = tuple(meta.pop("domains", ()))
         return cls(**arrays, domains=domains, meta=meta)
 
     @staticmethod
     def exists(path: str) -> bool:
-        return os.path.isfile(os.path.join(path, "meta.json"))
+        return fs.exists(f"{path}/meta.json")
 
 
 class BatchIterator:

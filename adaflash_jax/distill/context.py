@@ -17,6 +17,7 @@ import os
 import jax
 from jax.sharding import Mesh
 
+from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.drafter.checkpoint import config_from_hf
@@ -49,12 +50,12 @@ class Context:
         return make_mesh(*self.mesh_shape)
 
     def path(self, *parts: str) -> str:
-        return os.path.join(self.run_dir, *parts)
+        return "/".join((self.run_dir, *parts))
 
 
 def default_run_dir(cfg: RunConfig) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.abspath(os.path.join("runs", f"{cfg.name}-{stamp}"))
+    return os.path.join("runs", f"{cfg.name}-{stamp}")
 
 
 def _target_dir(cfg: RunConfig, progress: bool) -> str:
@@ -150,7 +151,7 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         raise ConfigError(f"target_path {target_dir} has no tokenizer.json to encode the prompts")
     return Context(
         cfg=cfg,
-        run_dir=os.path.abspath(run_dir or cfg.run_dir or default_run_dir(cfg)),
+        run_dir=fs.absolute(run_dir or cfg.run_dir or default_run_dir(cfg)),
         target_dir=target_dir,
         target_cfg=target_cfg,
         tokenizer=tokenizer,

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.distill import fs
 from adaflash_jax.drafter.checkpoint import config_from_hf, config_to_hf, save_drafter
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
@@ -35,14 +36,13 @@ def export_drafter(graphdef: nnx.GraphDef, params, path: str) -> str | None:
     host = host_params(params)
     if jax.process_index() != 0:
         return None
-    save_drafter(nnx.merge(graphdef, host), path)
+    with fs.LocalDir(path) as local:
+        save_drafter(nnx.merge(graphdef, host), local)
     return path
 
 
 def save_drafter_config(cfg: DrafterConfig, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, DRAFTER_CONFIG), "w") as f:
-        json.dump(config_to_hf(cfg), f, indent=2)
+    fs.write_text(f"{run_dir}/{DRAFTER_CONFIG}", json.dumps(config_to_hf(cfg), indent=2))
 
 
 def latest_step(ckpt_dir: str) -> int:

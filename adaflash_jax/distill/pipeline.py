@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.config import RunConfig
@@ -60,7 +61,7 @@ def _datasets(ctx: Context, target_split):
             max_len=cfg.data.max_prompt_len,
         )
         data = regenerate_dataset(
-            os.path.join(regen_dir, split),
+            f"{regen_dir}/{split}",
             target_split,
             ctx.target_cfg,
             ids,
@@ -79,9 +80,7 @@ def _datasets(ctx: Context, target_split):
 def _write_config(ctx: Context) -> None:
     if not ctx.is_main:
         return
-    os.makedirs(ctx.run_dir, exist_ok=True)
-    with open(ctx.path("config.json"), "w") as f:
-        json.dump(dataclasses.asdict(ctx.cfg), f, indent=2)
+    fs.write_text(ctx.path("config.json"), json.dumps(dataclasses.asdict(ctx.cfg), indent=2))
     save_drafter_config(ctx.drafter_cfg, ctx.run_dir)
 
 
@@ -125,31 +124,45 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
         d_graph, params = fresh_drafter(
             dc, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed, dtype=dtype
         )
-    writer = ScalarWriter(ctx.path("tb"))
-    results: dict[str, object] = {}
-    with writer, PreemptionGuard() as guard:
-        trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
-        if cfg.draft.init_from is None:
-            params = trainer.stage1(params, train_data)
-        t = mark("stage1", t)
-        params = trainer.head_init(params, train_data)
-        t = mark("head_init", t)
-        finals = {"stage1": params}
-        collect_tau = {}
-        for method in cfg.stage2.methods:
-            finals[method], collect_tau[method] = trainer.stage2(
-                method, params, train_data, train_ids
-            )
-            t = mark(f"stage2_{method}", t)
-        tau = {m: evaluate(trainer, p, eval_data, eval_ids) for m, p in finals.items()}
-        t = mark("evaluate", t)
-        exports = {m: export_drafter(d_graph, p, ctx.path("export", m)) for m, p in finals.items()}
-        t = mark("export", t)
-        results.update(tau=tau, collect_tau=collect_tau, exports=exports)
-        results["final_metrics"] = {k: (v[-1] if v else {}) for k, v in trainer.histories.items()}
-    writer.close()
+    tb = fs.LocalDir(ctx.path("tb"))  # TensorBoard writes locally; mirrored to gs:// runs
+    writer = ScalarWriter(tb.local)
+    try:
+        with writer, PreemptionGuard() as guard:
+            trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
+            results = _train_and_evaluate(ctx, trainer, params, train_data, eval_data, train_ids,
+                                          eval_ids, mark, t)  # fmt: skip
+    finally:
+        if ctx.is_main:
+            tb.sync()
     report = _report(ctx, results, timings, time.perf_counter() - t0, train_data, eval_data)
+    if ctx.is_main:
+        R.plot_losses(ctx.path("losses.png"), read_scalars(tb.local))
     return report
+
+
+def _train_and_evaluate(ctx, trainer, params, train_data, eval_data, train_ids, eval_ids, mark, t):
+    cfg = ctx.cfg
+    if cfg.draft.init_from is None:
+        params = trainer.stage1(params, train_data)
+    t = mark("stage1", t)
+    params = trainer.head_init(params, train_data)
+    t = mark("head_init", t)
+    finals = {"stage1": params}
+    collect_tau = {}
+    for method in cfg.stage2.methods:
+        finals[method], collect_tau[method] = trainer.stage2(method, params, train_data, train_ids)
+        t = mark(f"stage2_{method}", t)
+    tau = {m: evaluate(trainer, p, eval_data, eval_ids) for m, p in finals.items()}
+    t = mark("evaluate", t)
+    d_graph = trainer.d_graph
+    exports = {m: export_drafter(d_graph, p, ctx.path("export", m)) for m, p in finals.items()}
+    mark("export", t)
+    return {
+        "tau": tau,
+        "collect_tau": collect_tau,
+        "exports": exports,
+        "final_metrics": {k: (v[-1] if v else {}) for k, v in trainer.histories.items()},
+    }
 
 
 def _report(ctx: Context, results, timings, wall_s, train_data, eval_data) -> dict:
@@ -176,7 +189,6 @@ def _report(ctx: Context, results, timings, wall_s, train_data, eval_data) -> di
     if ctx.is_main:
         R.write_json(ctx.path("report.json"), report)
         R.plot_tau(ctx.path("tau.png"), tau)
-        R.plot_losses(ctx.path("losses.png"), read_scalars(ctx.path("tb")))
         print("\n" + R.table(tau), flush=True)
         print(f"\nwall time {report['wall_s']:.1f}s; report: {ctx.path('report.json')}", flush=True)
     return report

@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 
 import numpy as np
+
+from adaflash_jax.distill import fs
 
 
 def summarise(tau: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -41,10 +43,13 @@ def table(tau: dict[str, dict[str, float]]) -> str:
 
 
 def write_json(path: str, report: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=_plain)
-    os.replace(tmp, path)
+    fs.write_text(path, json.dumps(report, indent=2, default=_plain))
+
+
+def _save(fig, path: str) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    fs.write_bytes(path, buf.getvalue())
 
 
 def _plain(x):
@@ -74,7 +79,7 @@ def plot_tau(path: str, tau: dict[str, dict[str, float]]) -> None:
     ax.set_title("Acceptance length per domain")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -100,5 +105,5 @@ def plot_losses(path: str, scalars: dict[str, list[tuple[int, float]]]) -> None:
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)

@@ -10,7 +10,6 @@ is refreshed from the returned state after every run.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -215,7 +214,9 @@ class Trainer:
             data.save(path)
         return data
 
-    def engine_rollouts(self, params, prompt_ids, pool: SequenceData, rows, temperature=None):
+    def engine_rollouts(
+        self, params, prompt_ids, pool: SequenceData, rows, temperature=None, slots=None
+    ):
         from flax import nnx
 
         s2 = self.cfg.stage2
@@ -227,7 +228,7 @@ class Trainer:
             drafter,
             prompt_ids,
             max_new_tokens=self.cfg.data.max_new_tokens,
-            slots=s2.collect_slots,
+            slots=slots or s2.collect_slots,
             temperature=temp,
             seed=self.cfg.seed,
             eos_ids=self.ctx.eos_ids,
@@ -258,11 +259,7 @@ def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[s
         )
         return collect.tau_by_domain(data, trajs)
     rows = np.arange(len(data))
-    sub, trajs = trainer.engine_rollouts(params, prompt_ids, data, rows, temperature=0.0)
+    sub, trajs = trainer.engine_rollouts(
+        params, prompt_ids, data, rows, temperature=0.0, slots=cfg.eval.slots
+    )
     return collect.tau_by_domain(sub, trajs)
-
-
-def stage_done(ctx: Context, name: str, total: int) -> bool:
-    """Whether a stage's final checkpoint exists (used to report resumed runs)."""
-    path = ctx.path("ckpt", name)
-    return os.path.isdir(os.path.join(path, str(total)))
