@@ -307,10 +307,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if not isinstance(value, str):
         return value
     hint = annotation if not isinstance(annotation, str) else None
-    if hint is str or (
-        isinstance(hint, types.UnionType) and str in typing.get_args(hint) and value != "None"
-    ):
-        return value
+    if hint is str or (isinstance(hint, types.UnionType) and str in typing.get_args(hint)):
+        try:  # a quoted string or None; anything else is taken verbatim
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+        return parsed if isinstance(parsed, str) or parsed is None else value
     try:
         parsed = ast.literal_eval(value)
     except (ValueError, SyntaxError):

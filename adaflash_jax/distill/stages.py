@@ -34,6 +34,7 @@ class Trainer:
         self.writer, self.guard = writer, guard
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
+        self._compiled: dict[tuple, tuple] = {}
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -69,19 +70,26 @@ class Trainer:
         )
 
     def _begin(self, name, kind, params, groups, clip, divergence="rkl"):
-        tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
+        # Stages with the same step and optimizer (the stage-2 methods that differ only in
+        # their runtime loss knobs) reuse one jitted step: one compilation.
+        key = (kind, divergence, clip, tuple(sorted((k, repr(v)) for k, v in groups.items())))
+        if key not in self._compiled:
+            tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
+            self._compiled[key] = (tx, schedules, None)
+        tx, schedules, fn = self._compiled[key]
         state, shardings = new_train_state(
             params, self.frozen, tx, mesh=self.mesh, rules=TRAIN_RULES, seed=self.cfg.seed
         )
         ckpt = self._checkpointer(name)
         state, data_state = restore_or_start(ckpt, state, shardings)
-        fn = steps.jit_step(
-            steps.make_step(
-                self._spec(kind, divergence), self.d_graph, self.t_graph, tx, schedules
-            ),
-            state_shardings=shardings,
-            batch_shardings_=self.bsh,
-        )
+        if fn is None:
+            spec = self._spec(kind, divergence)
+            fn = steps.jit_step(
+                steps.make_step(spec, self.d_graph, self.t_graph, tx, schedules),
+                state_shardings=shardings,
+                batch_shardings_=self.bsh,
+            )
+            self._compiled[key] = (tx, schedules, fn)
         return state, data_state, ckpt, fn
 
     def _run(self, name, fn, state, it, total, ckpt, data_extra=None, knobs=None):
