@@ -1,0 +1,50 @@
+"""Run configs: the shipped files load, overrides parse, bad fields are named, the 8B recipe
+builds abstractly (eval_shape only)."""
+
+import os
+
+import jax
+import pytest
+
+from adaflash_jax.distill.abstract import abstract_stage2_state, nbytes
+from adaflash_jax.distill.config import ConfigError, RunConfig, load_config, override
+from adaflash_jax.plan.inputs import qwen3_8b
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "qwen3_8b_v5p"])
+def test_shipped_configs_load(name):
+    cfg = load_config(os.path.join(CONFIGS, f"{name}.py"))
+    assert isinstance(cfg, RunConfig) and cfg.name == name
+
+
+def test_overrides_and_errors():
+    cfg = override(
+        RunConfig(),
+        {"stage1.steps": "7", "mesh": "(1, 8, 1)", "stage2.methods": "['sft']", "run_dir": "x"},
+    )
+    assert cfg.stage1.steps == 7 and cfg.mesh == (1, 8, 1) and cfg.stage2.methods == ("sft",)
+    assert override(cfg, {"draft.init_from": "None"}).draft.init_from is None
+    with pytest.raises(ConfigError, match="stage1.stepz"):
+        override(cfg, {"stage1.stepz": "1"})
+    with pytest.raises(ConfigError, match="stage2.alpha"):
+        override(cfg, {"stage2.alpha": "1.5"})
+    with pytest.raises(ConfigError, match="stage2.methods"):
+        override(cfg, {"stage2.methods": "('dpo',)"})
+    with pytest.raises(ConfigError, match="collector"):
+        override(cfg, {"stage2.collect_temperature": "1.0"})  # replay is greedy-only
+    with pytest.raises(ConfigError, match="mesh"):
+        cfg.resolve_mesh(3)
+
+
+def test_qwen3_8b_recipe_builds_abstractly():
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
+    state = abstract_stage2_state(cfg, qwen3_8b())
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    drafter_gb = nbytes(state.params) / 2**30
+    target_gb = nbytes(state.frozen) / 2**30
+    assert 14 < target_gb < 17  # 8.2B bf16 params
+    assert 3.5 < drafter_gb < 5.5  # ~1.1B fp32 master weights (5 layers + fc + head)
+    assert nbytes(state.opt_state) == pytest.approx(2 * nbytes(state.params), rel=0.01)
+    assert cfg.resolve_mesh(32) == (4, 8, 1)
