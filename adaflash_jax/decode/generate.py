@@ -51,10 +51,11 @@ def split_target(model: TargetLM) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(model)
 
 
-def _pick(key, logits_BxV, temperature_B, top_p_B, greedy: bool):
+def _pick(key, logits_BxV, temperature_B, top_p_B, greedy: bool, nucleus: bool):
     if greedy:
         return greedy_tokens(logits_BxV)
-    return sample_tokens(key, logits_BxV, temperature_B, top_p_B)
+    # A static 1.0 lets sampling skip the vocabulary sort when no row filters by top-p.
+    return sample_tokens(key, logits_BxV, temperature_B, top_p_B if nucleus else 1.0)
 
 
 def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_ids) -> DecodeState:
@@ -73,7 +74,7 @@ def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_ids) -> DecodeState:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "capacity", "eos_ids", "greedy"),
+    static_argnames=("graphdef", "max_new_tokens", "capacity", "eos_ids", "greedy", "nucleus"),
 )
 def generate_jit(
     graphdef: nnx.GraphDef,
@@ -89,6 +90,7 @@ def generate_jit(
     capacity: int,
     eos_ids: tuple[int, ...],
     greedy: bool,
+    nucleus: bool = True,
 ) -> DecodeState:
     """Prefill + while_loop decode; returns the final state (inputs validated by `generate`)."""
     model = nnx.merge(graphdef, state)
@@ -104,7 +106,7 @@ def generate_jit(
     last_hidden_BxD = out.hidden_BxTxD[rows_B, prompt_len_B - 1]
     logits_BxV = model.logits(last_hidden_BxD[:, None])[:, 0]
     rng, key = jax.random.split(rng)
-    first_B = _pick(key, logits_BxV, temperature_B, top_p_B, greedy)
+    first_B = _pick(key, logits_BxV, temperature_B, top_p_B, greedy, nucleus)
     s = DecodeState(
         cache=out.cache,
         tokens_BxN=jnp.full((b, max_new_tokens), -1, jnp.int32),
@@ -119,7 +121,7 @@ def generate_jit(
         last_B = s.tokens_BxN[rows_B, s.num_out_B - 1]
         out = model(last_B[:, None], cache=s.cache, num_new_B=active_B.astype(jnp.int32))
         rng, key = jax.random.split(s.rng)
-        tok_B = _pick(key, out.logits_BxTxV[:, 0], temperature_B, top_p_B, greedy)
+        tok_B = _pick(key, out.logits_BxTxV[:, 0], temperature_B, top_p_B, greedy, nucleus)
         s = s.replace(cache=out.cache, rng=rng)
         return _commit(s, tok_B, active_B, max_new_B, eos_ids)
 
@@ -195,7 +197,11 @@ def prepare_batch(
         jnp.asarray(top_ps, jnp.float32),
     )
     static = dict(
-        max_new_tokens=n, capacity=capacity, eos_ids=eos, greedy=all(t == 0 for t in temps)
+        max_new_tokens=n,
+        capacity=capacity,
+        eos_ids=eos,
+        greedy=all(t == 0 for t in temps),
+        nucleus=any(p < 1.0 for p in top_ps),
     )
     return PreparedBatch(arrays=arrays, static=static)
 

@@ -32,6 +32,9 @@ def logits_to_probs(logits_BxV: jax.Array, temperature, top_p=1.0) -> jax.Array:
     greedy_B = temp_B <= 0.0
     safe_temp_B = jnp.where(greedy_B, 1.0, temp_B)
     probs_BxV = jax.nn.softmax(logits_BxV / safe_temp_B[:, None], axis=-1)
+    one_hot_BxV = jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), v, dtype=jnp.float32)
+    if isinstance(top_p, int | float) and top_p >= 1.0:  # static: no nucleus, no sort
+        return jnp.where(greedy_B[:, None], one_hot_BxV, probs_BxV)
 
     sorted_BxV = -jnp.sort(-probs_BxV, axis=-1)  # descending
     mass_before_BxV = jnp.cumsum(sorted_BxV, axis=-1) - sorted_BxV
@@ -42,8 +45,6 @@ def logits_to_probs(logits_BxV: jax.Array, temperature, top_p=1.0) -> jax.Array:
     keep_BxV = (probs_BxV >= threshold_B[:, None]) | (top_p_B[:, None] >= 1.0)
     nucleus_BxV = jnp.where(keep_BxV, probs_BxV, 0.0)
     nucleus_BxV = nucleus_BxV / jnp.sum(nucleus_BxV, axis=-1, keepdims=True)
-
-    one_hot_BxV = jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), v, dtype=jnp.float32)
     return jnp.where(greedy_B[:, None], one_hot_BxV, nucleus_BxV)
 
 
