@@ -138,3 +138,30 @@ def test_bad_configs_fail_before_compute(micro, capsys, flags, field):
     assert cli.main(["--config", config, "--run-dir", run_dir, *flags]) == 2
     assert field in capsys.readouterr().err
     assert not os.path.exists(run_dir)  # nothing was written
+
+
+def test_init_from_plain_dflash_export(micro):
+    """--init-drafter skips stage 1; a DFlash export without a length head gets a fresh one."""
+    from adaflash_jax.drafter.checkpoint import save_drafter
+    from adaflash_jax.drafter.init import drafter_for_target
+
+    config, root = micro
+    target_dir = str(root / "target")
+    plain = drafter_for_target(
+        target_dir, num_layers=1, block_size=4, target_layer_ids=(0, 1), length_head=False
+    )
+    dflash_dir = str(root / "dflash")
+    save_drafter(plain, dflash_dir, dtype=None)
+    run_dir = str(root / "run_init")
+    args = ["--config", config, "--run-dir", run_dir, "--init-drafter", dflash_dir]
+    assert cli.main([*args, "--rounds", "1", "--no-progress"]) == 0
+    assert not os.path.exists(os.path.join(run_dir, "ckpt", "stage1"))
+    out = load_drafter(os.path.join(run_dir, "export", "adaflash"))
+    assert out.length_head is not None
+    # stage 1 was skipped: the "stage1" export is the import plus its initialised head
+    stage1 = load_drafter(os.path.join(run_dir, "export", "stage1"))
+    np.testing.assert_allclose(
+        np.asarray(stage1.fc.kernel[...], np.float32),
+        np.asarray(plain.fc.kernel[...], np.float32),
+        atol=1e-2,  # the export is bf16
+    )

@@ -25,6 +25,10 @@ from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import Checkpointer
 from adaflash_jax.train.optimizer import OptimizerConfig
 
+# (step kind, optimizer, mesh, models, batch) → (tx, schedules, jitted step), process-wide,
+# so a second run in the same process (tests, resumes) does not compile again.
+_COMPILED: dict[tuple, tuple] = {}
+
 
 class Trainer:
     def __init__(self, ctx: Context, mesh, target_split, drafter_graphdef, *, writer, guard):
@@ -34,7 +38,6 @@ class Trainer:
         self.writer, self.guard = writer, guard
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
-        self._compiled: dict[tuple, tuple] = {}
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -73,10 +76,11 @@ class Trainer:
         # Stages with the same step and optimizer (the stage-2 methods that differ only in
         # their runtime loss knobs) reuse one jitted step: one compilation.
         key = (kind, divergence, clip, tuple(sorted((k, repr(v)) for k, v in groups.items())))
-        if key not in self._compiled:
+        key += (self.mesh, self.d_graph, self.t_graph, self.cfg.batch_size)
+        if key not in _COMPILED:
             tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
-            self._compiled[key] = (tx, schedules, None)
-        tx, schedules, fn = self._compiled[key]
+            _COMPILED[key] = (tx, schedules, None)
+        tx, schedules, fn = _COMPILED[key]
         state, shardings = new_train_state(
             params, self.frozen, tx, mesh=self.mesh, rules=TRAIN_RULES, seed=self.cfg.seed
         )
@@ -89,7 +93,7 @@ class Trainer:
                 state_shardings=shardings,
                 batch_shardings_=self.bsh,
             )
-            self._compiled[key] = (tx, schedules, fn)
+            _COMPILED[key] = (tx, schedules, fn)
         return state, data_state, ckpt, fn
 
     def _run(self, name, fn, state, it, total, ckpt, data_extra=None, knobs=None):
