@@ -76,6 +76,7 @@ def replay(
     feature_layers: Sequence[int],
     span: int,
     batch_size: int = 16,
+    desc: str = "replay",
 ) -> list[Trajectory]:
     """Greedy speculative-decoding trajectories of every sequence of `data` (see module doc).
 
@@ -85,8 +86,11 @@ def replay(
     d_graph, d_params = drafter_split
     t_graph, t_params = target_split
     s = data.seq_len
+    from tqdm.auto import tqdm
+
     trajectories = []
-    for lo in range(0, len(data), batch_size):
+    starts = range(0, len(data), batch_size)
+    for lo in tqdm(starts, desc=desc, disable=jax.process_index() != 0, leave=False):
         idx = np.arange(lo, min(lo + batch_size, len(data)))
         pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])  # fixed shape
         tokens, mask = data.tokens[pad], data.loss_mask[pad]

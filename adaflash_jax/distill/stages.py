@@ -28,6 +28,7 @@ from adaflash_jax.train.optimizer import OptimizerConfig
 # (step kind, optimizer, mesh, models, batch) → (tx, schedules, jitted step), process-wide,
 # so a second run in the same process (tests, resumes) does not compile again.
 _COMPILED: dict[tuple, tuple] = {}
+REPLAY_BATCH = 16  # fixed, so collection and evaluation share one replay program
 
 
 class Trainer:
@@ -216,7 +217,8 @@ class Trainer:
                 block_size=dc.block_size,
                 feature_layers=dc.target_layer_ids,
                 span=self.cfg.data.max_new_tokens,
-                batch_size=min(16, len(sub)),
+                batch_size=REPLAY_BATCH,
+                desc=f"collect {method} round {r}",
             )
         else:
             sub, trajs = self.engine_rollouts(params, [pool_prompts[i] for i in rows], pool, rows)
@@ -267,7 +269,8 @@ def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[s
             block_size=dc.block_size,
             feature_layers=dc.target_layer_ids,
             span=cfg.data.max_new_tokens,
-            batch_size=min(16, len(data)),
+            batch_size=REPLAY_BATCH,
+            desc="evaluate",
         )
         return collect.tau_by_domain(data, trajs)
     rows = np.arange(len(data))
