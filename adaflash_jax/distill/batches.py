@@ -5,14 +5,15 @@ starts per sequence (on-policy data; −1 pads).
 
 A dataset is one `.npz` (tokens, loss_mask, domain, optional `visited`) plus `meta.json`.
 The iterator walks a fresh permutation each epoch and resamples anchors per (epoch, example),
-so its whole state is two integers: checkpoint them and a resumed run sees the same batches.
-Every process computes the global index list and materialises only its own rows (per-host
-input sharding); `jax.make_array_from_process_local_data` assembles the global batch.
+so its whole state is one integer (batches served): checkpoint it and a resumed run sees the
+same batches. Each process materialises only its own rows (per-host input sharding);
+`jax.make_array_from_process_local_data` assembles the global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -69,8 +70,50 @@ class SequenceData:
         return fs.exists(f"{path}/meta.json")
 
 
+_MAX_EPOCHS = 1_000_000  # the example stream is endless for any practical run
+
+
+class Examples:
+    """Random access to the endless, epoch-shuffled example stream: sample g is example
+    perm_e[g mod M] of epoch e = g div M, with anchors drawn from (seed, e, example)."""
+
+    def __init__(self, data: SequenceData, *, num_anchors, block_size, seed, on_policy):
+        self.data, self.num_anchors, self.block_size = data, num_anchors, block_size
+        self.seed, self.on_policy = seed, on_policy
+
+    def __len__(self) -> int:
+        return len(self.data) * _MAX_EPOCHS
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs, lives with the iterator
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+
+    def __getitem__(self, g: int) -> dict[str, np.ndarray]:
+        epoch, j = divmod(int(g), len(self.data))
+        i = int(self._permutation(epoch)[j])
+        d = self.data
+        anchors, valid = sample_anchors(
+            d.loss_mask[i],
+            self.num_anchors,
+            self.block_size,
+            example_rng(self.seed, epoch, i),
+            candidates=d.visited[i] if self.on_policy else None,
+        )
+        return {
+            "tokens": d.tokens[i].astype(np.int32),
+            "loss_mask": d.loss_mask[i].astype(bool),
+            "anchors": anchors,
+            "valid": valid,
+        }
+
+
 class BatchIterator:
-    """Endless batches {tokens, loss_mask, anchors, valid} of this process's rows."""
+    """Endless batches {tokens, loss_mask, anchors, valid} of this process's rows.
+
+    Global batch k holds samples kB … kB+B−1 of `Examples`; process p takes every P-th
+    (samples kB + p, kB + p + P, …). Served by a grain `MapDataset` when grain is installed
+    and by plain Python otherwise: identical batches, identical state `{"next_index": k}`.
+    """
 
     def __init__(
         self,
@@ -83,6 +126,7 @@ class BatchIterator:
         on_policy_anchors: bool = False,
         process_index: int = 0,
         process_count: int = 1,
+        backend: str = "auto",
     ):
         if len(data) == 0:
             raise ValueError("cannot train on an empty dataset")
@@ -90,52 +134,53 @@ class BatchIterator:
             raise ValueError(f"global batch {global_batch} does not split over {process_count}")
         if on_policy_anchors and data.visited is None:
             raise ValueError("on-policy anchors need a dataset with recorded block starts")
-        self.data = data
-        self.global_batch, self.num_anchors, self.block_size = global_batch, num_anchors, block_size
-        self.seed, self.on_policy = seed, on_policy_anchors
-        per = global_batch // process_count
-        self.rows = slice(process_index * per, (process_index + 1) * per)
-        self.epoch, self.position = 0, 0
+        if backend not in ("auto", "grain", "python"):
+            raise ValueError(f"backend must be auto, grain or python, got {backend!r}")
+        self.source = Examples(
+            data,
+            num_anchors=num_anchors,
+            block_size=block_size,
+            seed=seed,
+            on_policy=on_policy_anchors,
+        )
+        self.local = global_batch // process_count
+        self.p, self.P = process_index, process_count
+        self.fingerprint = {"examples": len(data), "seed": seed, "global_batch": global_batch}
+        self.next_index = 0
+        self._grain = None
+        if backend in ("auto", "grain"):
+            try:
+                import grain
+            except ImportError:
+                if backend == "grain":
+                    raise
+            else:
+                ds = grain.MapDataset.source(self.source)[process_index::process_count]
+                self._grain = ds.batch(self.local, drop_remainder=True)
+
+    @property
+    def backend(self) -> str:
+        return "python" if self._grain is None else "grain"
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"next_index": self.next_index, **self.fingerprint}
 
     def set_state(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+        for key, want in self.fingerprint.items():
+            if state.get(key) != want:
+                raise ValueError(
+                    f"data iterator state has {key}={state.get(key)!r}, this pipeline {want!r}: "
+                    "the checkpoint belongs to another dataset or batch size"
+                )
+        self.next_index = int(state["next_index"])
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        order = []  # (epoch, example) for every row of the global batch
-        perm = self._permutation(self.epoch)
-        for _ in range(self.global_batch):
-            order.append((self.epoch, int(perm[self.position])))
-            self.position += 1
-            if self.position == len(self.data):
-                self.epoch, self.position = self.epoch + 1, 0
-                perm = self._permutation(self.epoch)
-        rows = order[self.rows]
-        d = self.data
-        anchors, valid = zip(
-            *(
-                sample_anchors(
-                    d.loss_mask[i],
-                    self.num_anchors,
-                    self.block_size,
-                    example_rng(self.seed, epoch, i),
-                    candidates=d.visited[i] if self.on_policy else None,
-                )
-                for epoch, i in rows
-            )
-        )
-        idx = np.array([i for _, i in rows])
-        return {
-            "tokens": d.tokens[idx].astype(np.int32),
-            "loss_mask": d.loss_mask[idx].astype(bool),
-            "anchors": np.stack(anchors),
-            "valid": np.stack(valid),
-        }
+        k = self.next_index
+        self.next_index += 1
+        if self._grain is not None:
+            return self._grain[k]
+        rows = [self.source[(k * self.local + j) * self.P + self.p] for j in range(self.local)]
+        return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
