@@ -1,0 +1,156 @@
+"""Step-cost model for projections: verify ms per (batch B, width W) and draft ms per B, filled
+from whatever measurements exist, every filled cell explained.
+
+Accepted JSON inputs (several may be merged; a later file's cell replaces an earlier one):
+- a verify-cost table (`adaflash_jax.verify_cost/1`: rows × widths, draft_ms per row);
+- `experiments.benchmark_forward` / `benchmark_decode --shape` output: {"rows": [{batch,
+  width, median_ms}], optional "draft_rows": [{batch, median_ms}]};
+- DESIGN §7's naive-forward JSON: {"target_forward_ms": [{B, T, ctx, ms}],
+  "drafter_forward_ms": [...]} at one context length.
+
+Filling a missing (B, W): inside row B's measured widths, linear in W between the nearest
+two; outside them, row B's nearest measured width scaled by the width profile of the nearest
+row (in log B) that has both widths. Between rows, costs are linear in B; outside the
+measured rows nothing is extrapolated (a clear error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+# DESIGN §7: a 5-layer DFlash-shaped drafter (Qwen3-8B widths) over 16 block tokens, context
+# 1024, one H200, naive jnp forward; median ms per batch size.
+DESIGN_DRAFT_MS = {1: 2.613, 8: 3.012, 32: 5.364, 64: 8.829, 128: 16.148}
+
+
+class CostError(ValueError):
+    """Cost measurements that cannot give the requested cells."""
+
+
+@dataclasses.dataclass
+class Measurements:
+    verify: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    draft: dict[int, float] = dataclasses.field(default_factory=dict)
+    sources: list[str] = dataclasses.field(default_factory=list)
+
+
+def read_cost_json(path: str, into: Measurements | None = None, *, ctx: int = 1024):
+    """Adds the cells of one JSON file (any accepted format) to `into`."""
+    m = into if into is not None else Measurements()
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("format") == "adaflash_jax.verify_cost/1":
+        for i, b in enumerate(data["rows"]):
+            for j, w in enumerate(data["widths"]):
+                m.verify[(int(b), int(w))] = float(data["verify_ms"][i][j])
+            if data["draft_ms"][i] > 0:
+                m.draft[int(b)] = float(data["draft_ms"][i])
+    elif "rows" in data:
+        for r in data["rows"]:
+            m.verify[(int(r["batch"]), int(r["width"]))] = float(r["median_ms"])
+        for r in data.get("draft_rows", []):
+            m.draft[int(r["batch"])] = float(r["median_ms"])
+    elif "target_forward_ms" in data:
+        cells = [c for c in data["target_forward_ms"] if c["ctx"] == ctx]
+        if not cells:
+            raise CostError(f"{path} has no target timings at context {ctx}")
+        for c in cells:
+            m.verify[(int(c["B"]), int(c["T"]))] = float(c["ms"])
+        for c in data.get("drafter_forward_ms", []):
+            if c["ctx"] == ctx:
+                m.draft[int(c["B"])] = float(c["ms"])
+    else:
+        raise CostError(f"{path}: not a verify-cost table, forward-timing rows or forward-ms JSON")
+    m.sources.append(path)
+    return m
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    verify_ms: np.ndarray  # [rows, widths], every cell filled
+    draft_rows: tuple[int, ...]
+    draft_ms: tuple[float, ...]
+    notes: tuple[str, ...]  # how each missing cell was filled
+
+    def _check(self, b: float, rows) -> None:
+        if not rows[0] <= b <= rows[-1]:
+            raise CostError(f"batch {b} is outside the measured rows {list(rows)}")
+
+    def verify(self, b: float, w: int) -> float:
+        self._check(b, self.rows)
+        return float(np.interp(b, self.rows, self.verify_ms[:, self.widths.index(w)]))
+
+    def draft(self, b: float) -> float:
+        self._check(b, self.draft_rows)
+        return float(np.interp(b, self.draft_rows, self.draft_ms))
+
+
+def _nearest(rows, b):
+    return sorted(rows, key=lambda r: (abs(math.log(r) - math.log(b)), -r))
+
+
+def build(m: Measurements, widths, *, draft_ms: dict[int, float] | None = None) -> CostModel:
+    """The model at `widths` for every measured row. `draft_ms` overrides the files' draft."""
+    widths = tuple(sorted(set(int(w) for w in widths)))
+    rows = tuple(sorted({b for b, _ in m.verify}))
+    if not rows:
+        raise CostError("no verify timings")
+    notes, cells = [], dict(m.verify)
+    for b in rows:  # pass 1: inside a row's measured widths, linear in W
+        have = sorted(w for bb, w in m.verify if bb == b)
+        for w in widths:
+            if (b, w) not in cells and have[0] < w < have[-1]:
+                lo = max(x for x in have if x < w)
+                hi = min(x for x in have if x > w)
+                cells[(b, w)] = float(
+                    np.interp(w, [lo, hi], [m.verify[(b, lo)], m.verify[(b, hi)]])
+                )
+                notes.append(f"B={b} W={w}: linear in width between W={lo} and W={hi}")
+    missing = [(b, w) for b in rows for w in widths if (b, w) not in cells]
+    while missing:  # pass 2: outside them, borrow the width profile of the nearest row
+        progress = []
+        for b, w in missing:
+            have = sorted(x for bb, x in m.verify if bb == b)
+            near = min(have, key=lambda x: (abs(x - w), x))
+            donors = [r for r in _nearest(rows, b) if r != b]
+            donor = next((r for r in donors if {(r, w), (r, near)} <= cells.keys()), None)
+            if donor is not None:
+                cells[(b, w)] = m.verify[(b, near)] * cells[(donor, w)] / cells[(donor, near)]
+                notes.append(
+                    f"B={b} W={w}: B={b} W={near} times the W={w}/W={near} ratio of B={donor}"
+                )
+                progress.append((b, w))
+        if not progress:
+            raise CostError(f"cannot fill {missing[:4]}: no row has those widths")
+        missing = [x for x in missing if x not in progress]
+    grid = np.array([[cells[(b, w)] for w in widths] for b in rows])
+    draft = dict(draft_ms) if draft_ms is not None else dict(m.draft)
+    if not draft:
+        draft = dict(DESIGN_DRAFT_MS)
+        notes.append("draft cost: DESIGN §7 (5-layer drafter, 16 tokens, Qwen3-8B widths, H200)")
+    d_rows = tuple(sorted(draft))
+    return CostModel(
+        rows=rows,
+        widths=widths,
+        verify_ms=grid,
+        draft_rows=d_rows,
+        draft_ms=tuple(float(draft[b]) for b in d_rows),
+        notes=tuple(notes),
+    )
+
+
+def parse_draft_ms(text: str) -> dict[int, float]:
+    """'1:2.6,128:16' → {1: 2.6, 128: 16.0}."""
+    out = {}
+    for item in text.split(","):
+        b, sep, ms = item.partition(":")
+        if not sep:
+            raise CostError(f"--draft-ms wants BATCH:MS pairs, got {item!r}")
+        out[int(b)] = float(ms)
+    return out

@@ -1,0 +1,439 @@
+"""Throughput vs concurrency: every method over every domain's prompts at every concurrency.
+
+Names: c concurrency (= engine slots), K block size, W verify width, n_i the verify steps of
+request i.
+
+A cell is (method, c, domain). Its requests — the domain's prompts, cycled until there are at
+least c so every slot fills — flow through one `SpeculativeEngine` with c slots (continuous
+batching: a finished row takes the next queued request). Plain decoding runs through the same
+engine (`drafter=None`), so prefill, scheduling and host round trips cost the same and
+`ratio_to_plain` compares like with like, measured in the same process minutes apart.
+Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
+timed pass needs; the compiled-program count is checked around the timed pass), then
+`repeats` timed passes; the fastest is reported.
+
+Occupancy: with FIFO admission and stop-on-finish the scheduler is deterministic, so each
+request's start step follows from the step counts alone (`occupancy`). The simulated total
+must equal the measured loop steps (`occupancy_exact`); it gives the mean running rows and,
+for the adaflash rule, the fraction of steps above its threshold (the rule is off below it).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.bench import summarize
+from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
+from adaflash_jax.decode.verify_cost import VerifyCostTable, calibrate
+
+CPU_CONCURRENCY = (1, 4, 16, 64)
+GPU_CONCURRENCY = (1, 32, 64, 128)
+DEFAULT_METHODS = (
+    "plain",
+    "stage1:fixed",
+    "adaflash:fixed",
+    "adaflash:adaflash",
+    "adaflash:goodput",
+)
+POLICIES = ("fixed", "adaflash", "goodput")
+DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"  # trace encoding: one base-36 digit per step
+
+
+class BenchError(ValueError):
+    """A benchmark setting or input that cannot run (checked before any compute)."""
+
+
+def default_concurrency(backend: str | None = None) -> tuple[int, ...]:
+    return CPU_CONCURRENCY if (backend or jax.default_backend()) == "cpu" else GPU_CONCURRENCY
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Method:
+    """`drafter=None` is plain decoding; otherwise a named drafter with a length policy."""
+
+    drafter: str | None = None
+    policy: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # policy keyword overrides
+
+    def __post_init__(self):
+        if (self.drafter is None) != (self.policy is None):
+            raise BenchError("a method is plain (no drafter, no policy) or drafter:policy")
+        if self.policy is not None and self.policy not in POLICIES:
+            raise BenchError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
+
+    @property
+    def label(self) -> str:
+        if self.drafter is None:
+            return "plain"
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.drafter}/{self.policy}" + (f"({opts})" if opts else "")
+
+
+def parse_method(text: str) -> Method:
+    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3'."""
+    parts = text.strip().split(":")
+    if parts == ["plain"]:
+        return Method()
+    if len(parts) not in (2, 3) or not all(parts[:2]):
+        raise BenchError(f"method {text!r}: expected 'plain' or DRAFTER:POLICY[:key=value,...]")
+    options = []
+    for kv in parts[2].split(",") if len(parts) == 3 and parts[2] else ():
+        if "=" not in kv:
+            raise BenchError(f"method {text!r}: option {kv!r} is not key=value")
+        key, value = kv.split("=", 1)
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass  # a bare string, e.g. estimator=confidence
+        options.append((key.strip(), value))
+    return Method(drafter=parts[0], policy=parts[1], options=tuple(options))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    concurrencies: tuple[int, ...]
+    prompts_per_domain: int = 16
+    max_new_tokens: int = 64
+    max_prompt_len: int = 64
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    adaflash_threshold: int = 48  # the reference rule acts only above this many running rows
+    goodput_estimator: str = "confidence"
+    repeats: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "concurrencies", tuple(int(c) for c in self.concurrencies))
+        object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise BenchError(f"concurrencies must be positive: {self.concurrencies}")
+        for name in ("prompts_per_domain", "max_new_tokens", "max_prompt_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.adaflash_threshold < 0:
+            raise BenchError(f"adaflash_threshold must be >= 0: {self.adaflash_threshold}")
+
+
+def cell_requests(prompts: Sequence[Sequence[int]], concurrency: int, max_new: int):
+    """The domain's prompts, cycled to at least `concurrency` requests."""
+    if not prompts:
+        raise BenchError("a domain has no prompts")
+    n = max(len(prompts), concurrency)
+    return [(list(prompts[i % len(prompts)]), max_new) for i in range(n)]
+
+
+def occupancy(steps: Sequence[int], slots: int) -> tuple[np.ndarray, int]:
+    """(start step per request, total loop steps) of FIFO admission into `slots` slots where
+    a freed slot takes the next request before the next step (the engine's scheduler)."""
+    starts = np.zeros(len(steps), np.int64)
+    free_at = [0] * min(slots, len(steps))  # heap of times at which slots become free
+    heapq.heapify(free_at)
+    end = 0
+    for i, n in enumerate(steps):
+        t = heapq.heappop(free_at)
+        starts[i] = t
+        end = max(end, t + int(n))
+        heapq.heappush(free_at, t + int(n))
+    return starts, end
+
+
+def running_per_step(steps: Sequence[int], slots: int) -> np.ndarray:
+    starts, end = occupancy(steps, slots)
+    delta = np.zeros(end + 1, np.int64)
+    np.add.at(delta, starts, 1)
+    np.add.at(delta, starts + np.asarray(steps, np.int64), -1)
+    return np.cumsum(delta)[:end]
+
+
+def encode_trace(values: Sequence[int], offset: int = 0) -> str:
+    return "".join(DIGITS[int(v) - offset] for v in values)
+
+
+def decode_trace(text: str, offset: int = 0) -> list[int]:
+    return [int(ch, 36) + offset for ch in text]
+
+
+@dataclasses.dataclass
+class BenchResult:
+    rows: list[dict]  # per (method, concurrency, domain), plus domain "all" aggregates
+    traces: list[dict]  # per speculative cell: per-request accepted / requested widths
+    cost_tables: dict[str, VerifyCostTable]  # per drafter name (goodput, ideal speedup)
+    meta: dict
+
+
+class ThroughputBench:
+    """Holds the models and settings; `run()` measures every cell."""
+
+    def __init__(
+        self,
+        target,
+        drafters: dict,
+        prompts: dict[str, list[list[int]]],
+        methods: Sequence[Method],
+        settings: BenchSettings,
+        *,
+        cost_tables: dict[str, VerifyCostTable] | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.target, self.drafters, self.settings, self.log = target, drafters, settings, log
+        self.methods = list(methods)
+        if not any(m.drafter is None for m in self.methods):
+            self.methods.insert(0, Method())  # ratios need plain decoding in the same run
+        self.methods.sort(key=lambda m: m.drafter is not None)  # plain first
+        for m in self.methods:
+            if m.drafter is not None and m.drafter not in drafters:
+                raise BenchError(
+                    f"method {m.label} needs drafter {m.drafter!r}; have {sorted(drafters)}"
+                )
+        cut = settings.max_prompt_len
+        self.prompts = {d: [list(p[-cut:]) for p in ps] for d, ps in prompts.items()}
+        if not self.prompts or any(not ps for ps in self.prompts.values()):
+            raise BenchError(f"every domain needs prompts: {sorted(self.prompts)}")
+        self.capacity = self._capacity()
+        self.cost_tables = dict(cost_tables or {})
+        self._engines: dict[tuple, SpeculativeEngine] = {}
+
+    def _capacity(self) -> int:
+        k = max([1] + [d.config.block_size for d in self.drafters.values()])
+        longest = max(len(p) for ps in self.prompts.values() for p in ps)
+        need = 16 * math.ceil((longest + self.settings.max_new_tokens + k) / 16)
+        limit = self.target.config.max_position_embeddings
+        if need > limit:
+            raise BenchError(
+                f"prompt {longest} + max_new {self.settings.max_new_tokens} + block {k} needs "
+                f"a cache of {need}, beyond the target's max_position_embeddings {limit}"
+            )
+        return need
+
+    # ---- engines --------------------------------------------------------------------------
+    def cost_table(self, name: str) -> VerifyCostTable:
+        """The drafter's verify-cost table at the benchmark's concurrencies and capacity
+        (calibrated once per drafter architecture, unless given)."""
+        if name not in self.cost_tables:
+            drafter = self.drafters[name]
+            same = [
+                n
+                for n, t in self.cost_tables.items()
+                if n in self.drafters and self.drafters[n].config == drafter.config
+            ]
+            if same:
+                self.cost_tables[name] = self.cost_tables[same[0]]
+            else:
+                widths = sp.bucket_set(self.settings.buckets, drafter.config.block_size)
+                rows = tuple(sorted(set(self.settings.concurrencies)))
+                t0 = time.perf_counter()
+                self.cost_tables[name] = calibrate(
+                    self.target,
+                    drafter,
+                    rows=rows,
+                    widths=widths,
+                    capacity=self.capacity,
+                    repeats=3,
+                )
+                self.log(
+                    f"calibrated the verify cost of {name!r}: rows {rows} x widths {widths} "
+                    f"in {time.perf_counter() - t0:.1f} s"
+                )
+        return self.cost_tables[name]
+
+    def policy_kwargs(self, m: Method) -> dict:
+        kw = {}
+        if m.policy == "adaflash":
+            kw["threshold"] = self.settings.adaflash_threshold
+        if m.policy == "goodput":
+            kw["estimator"] = self.settings.goodput_estimator
+        return {**kw, **dict(m.options)}
+
+    def engine(self, m: Method, concurrency: int) -> SpeculativeEngine:
+        key = (m, concurrency)
+        if key not in self._engines:
+            drafter = None if m.drafter is None else self.drafters[m.drafter]
+            self._engines[key] = SpeculativeEngine(
+                self.target,
+                drafter,
+                slots=concurrency,
+                capacity=self.capacity,
+                buckets=self.settings.buckets,
+                policy=m.policy or "fixed",
+                cost_table=self.cost_table(m.drafter) if m.policy == "goodput" else None,
+                policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
+                temperature=self.settings.temperature,
+                seed=self.settings.seed,
+            )
+        return self._engines[key]
+
+    # ---- one cell -------------------------------------------------------------------------
+    def measure(self, m: Method, concurrency: int, domain: str) -> tuple[dict, dict | None]:
+        engine = self.engine(m, concurrency)
+        requests = cell_requests(self.prompts[domain], concurrency, self.settings.max_new_tokens)
+        t0 = time.perf_counter()
+        engine.generate(requests)
+        warmup = time.perf_counter() - t0
+        before = sp.compiled_programs()
+        best = None
+        for _ in range(self.settings.repeats):
+            t0 = time.perf_counter()
+            results = engine.generate(requests)
+            wall = time.perf_counter() - t0
+            if best is None or wall < best[0]:
+                best = (wall, results, engine.last_run["loop_steps"])
+        wall, results, loop_steps = best
+        after = sp.compiled_programs()
+        row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
+        steps = [r.steps for r in results]
+        running = running_per_step(steps, concurrency)
+        k = engine.block_size
+        requested = [w for r in results for w in r.requested_widths]
+        row.update(
+            method="plain" if m.drafter is None else m.drafter,
+            policy="none" if m.policy is None else m.policy,
+            label=m.label,
+            concurrency=concurrency,
+            domain=domain,
+            block_size=k,
+            policy_options=self.policy_kwargs(m) if m.drafter is not None else {},
+            committed=sum(a + 1 for r in results for a in r.accepted),
+            mean_running=float(np.mean(running)) if len(running) else 0.0,
+            occupancy_exact=len(running) == loop_steps,
+            cut_fraction=float(np.mean([w < k for w in requested])) if requested else 0.0,
+            compiles_in_timed_pass=sum(after.values()) - sum(before.values()),
+            output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
+        )
+        if m.policy == "adaflash":
+            thr = row["policy_options"]["threshold"]
+            row["policy_active_fraction"] = float(np.mean(running > thr)) if len(running) else 0.0
+        if m.drafter is None:
+            return row, None
+        trace = {
+            "label": m.label,
+            "method": row["method"],
+            "policy": row["policy"],
+            "policy_options": row["policy_options"],
+            "concurrency": concurrency,
+            "domain": domain,
+            "block_size": k,
+            "buckets": list(engine.buckets),
+            "loop_steps": loop_steps,
+            "wall_s": wall,
+            "accepted": [encode_trace(r.accepted) for r in results],
+            "requested": [encode_trace(r.requested_widths, offset=1) for r in results],
+        }
+        return row, trace
+
+    # ---- everything -----------------------------------------------------------------------
+    def run(self) -> BenchResult:
+        rows, traces = [], []
+        t_start = time.perf_counter()
+        for c in self.settings.concurrencies:
+            for domain in self.prompts:
+                plain = None
+                for m in self.methods:
+                    row, trace = self.measure(m, c, domain)
+                    plain = row if m.drafter is None else plain
+                    row["ratio_to_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
+                    # greedy speculative decoding is lossless: the same tokens as plain
+                    row["matches_plain"] = row["output_digest"] == plain["output_digest"]
+                    rows.append(row)
+                    if trace is not None:
+                        traces.append(trace)
+                    self.log(
+                        f"c={c:<4d} {domain:<9s} {m.label:<28s} {row['tokens_per_s']:9.1f} tok/s"
+                        f"  x{row['ratio_to_plain']:.2f}  tau {row['tau']:.2f}  width "
+                        f"{row['mean_verify_width']:.2f}  running {row['mean_running']:.1f}"
+                    )
+        rows += aggregate(rows)
+        for name, drafter in self.drafters.items():  # same architecture → same costs
+            for other, table in list(self.cost_tables.items()):
+                same = other in self.drafters and self.drafters[other].config == drafter.config
+                if name not in self.cost_tables and same:
+                    self.cost_tables[name] = table
+        add_ideal_speedup(rows, self.cost_tables)
+        meta = {
+            "settings": dataclasses.asdict(self.settings),
+            "methods": [m.label for m in self.methods],
+            "domains": list(self.prompts),
+            "prompts_per_domain": {d: len(ps) for d, ps in self.prompts.items()},
+            "capacity": self.capacity,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "target": dataclasses.asdict(self.target.config),
+            "drafters": {
+                n: {"block_size": d.config.block_size, "layers": d.config.num_hidden_layers}
+                for n, d in self.drafters.items()
+            },
+            "wall_s": time.perf_counter() - t_start,
+        }
+        return BenchResult(rows=rows, traces=traces, cost_tables=self.cost_tables, meta=meta)
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Domain "all" rows per (label, concurrency): Σ tokens / Σ wall, step-weighted τ/width."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["domain"] != "all":
+            groups.setdefault((r["label"], r["concurrency"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        steps = sum(r["verify_steps"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        agg = {
+            k: rs[0][k]
+            for k in ("method", "policy", "label", "concurrency", "block_size", "policy_options")
+        }
+        agg.update(
+            domain="all",
+            requests=sum(r["requests"] for r in rs),
+            tokens=sum(r["tokens"] for r in rs),
+            wall_s=wall,
+            tokens_per_s=sum(r["tokens"] for r in rs) / wall,
+            verify_steps=steps,
+            loop_steps=sum(r["loop_steps"] for r in rs),
+            committed=sum(r["committed"] for r in rs),
+            tau=sum(r["committed"] for r in rs) / steps if steps else math.nan,
+            mean_verify_width=sum(r["mean_verify_width"] * r["verify_steps"] for r in rs) / steps,
+            mean_requested_width=sum(r["mean_requested_width"] * r["verify_steps"] for r in rs)
+            / steps,
+            mean_running=float(np.mean([r["mean_running"] for r in rs])),
+            cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
+            compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
+            occupancy_exact=all(r["occupancy_exact"] for r in rs),
+            matches_plain=all(r["matches_plain"] for r in rs),
+        )
+        if "policy_active_fraction" in rs[0]:
+            w = [r["loop_steps"] for r in rs]
+            agg["policy_active_fraction"] = float(
+                np.average([r["policy_active_fraction"] for r in rs], weights=w)
+            )
+        out.append(agg)
+    plain = {r["concurrency"]: r for r in out if r["method"] == "plain"}
+    for r in out:
+        r["ratio_to_plain"] = r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"]
+    return out
+
+
+def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> None:
+    """At concurrency 1: ideal speedup τ·t_plain / (t_draft + t_verify(W̄)) from the drafter's
+    cost table (t_plain = its width-1 verify; W̄ = mean verify width, interpolated), and the
+    measured ratio to plain as a fraction of it."""
+    for r in rows:
+        table = tables.get(r["method"])
+        if r["concurrency"] != 1 or table is None:
+            continue
+        col = [table.verify(1, w) for w in table.widths]
+        t_verify = float(np.interp(r["mean_verify_width"], table.widths, col))
+        t_draft = float(np.interp(1, table.rows, table.draft_ms))
+        ideal = r["tau"] * table.verify(1, 1) / (t_draft + t_verify)
+        r["ideal_speedup"] = ideal
+        r["fraction_of_ideal"] = r["ratio_to_plain"] / ideal

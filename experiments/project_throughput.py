@@ -1,0 +1,102 @@
+"""PROJECT throughput vs concurrency for a target whose weights are not here (e.g. Qwen3-8B on
+one H200) from measured acceptance traces and a step-cost table. Prints a projection, not a
+measurement.
+
+python -m experiments.project_throughput --traces bench_out/bench_traces.json
+python -m experiments.project_throughput --traces T.json --cost benchmarks/h200/qwen3_8b_table.json
+python -m experiments.project_throughput --traces T.json --cost-from-traces   # own device
+
+Default costs: the H200 Qwen3-8B-shape forward timings in benchmarks/h200/ (default XLA
+flags) and DESIGN §7's draft cost. See adaflash_jax/bench/projection.py for the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+H200_DEFAULT = [
+    os.path.join("benchmarks", "h200", name)
+    for name in ("qwen3_8b_b1_default.json", "qwen3_8b_table.json", "qwen3_8b_b32.json")
+]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--traces", required=True, help="bench_traces.json of experiments.benchmark")
+    p.add_argument("--cost", action="append", default=[], help="cost JSON (repeatable, merged)")
+    p.add_argument("--cost-from-traces", action="store_true", help="the bench's own calibration")
+    p.add_argument("--draft-ms", help="BATCH:MS pairs, e.g. 1:2.6,128:16 (overrides the files)")
+    p.add_argument("--context", type=int, default=1024, help="for DESIGN-style forward JSON")
+    p.add_argument("--concurrency", help="comma list (default: the cost rows)")
+    p.add_argument("--threshold", type=int, default=48, help="adaflash rule threshold")
+    p.add_argument("--domain", help="only this domain's traces (default: all pooled)")
+    p.add_argument("--json", help="write the projected rows here")
+    p.add_argument("--md", help="write the markdown table here")
+    a = p.parse_args(argv)
+
+    from adaflash_jax.bench import cost_model as cm
+    from adaflash_jax.bench import projection as pj
+
+    try:
+        acceptance = pj.load_acceptance(a.traces, domain=a.domain)
+        if not any(len(x.full_accepted) for x in acceptance.values()):
+            raise cm.CostError(f"{a.traces} has no fixed-policy (full block) traces")
+        m = cm.Measurements()
+        if a.cost_from_traces and a.cost:
+            raise cm.CostError("--cost-from-traces and --cost measure different devices")
+        if a.cost_from_traces:
+            with open(a.traces) as f:
+                tables = json.load(f)["cost_tables"]
+            if not tables:
+                raise cm.CostError(f"{a.traces} holds no cost table (no goodput method ran)")
+            tmp = next(iter(tables.values()))
+            m.verify.update({(b, w): tmp["verify_ms"][i][j] for i, b in enumerate(tmp["rows"])
+                             for j, w in enumerate(tmp["widths"])})  # fmt: skip
+            m.draft.update(dict(zip(tmp["rows"], tmp["draft_ms"])))
+            m.sources.append(f"{a.traces} (calibration on {tmp['device']})")
+        for path in a.cost or ([] if a.cost_from_traces else H200_DEFAULT):
+            cm.read_cost_json(path, m, ctx=a.context)
+        widths = {1} | {w for x in acceptance.values() for w in x.buckets}
+        draft = cm.parse_draft_ms(a.draft_ms) if a.draft_ms else None
+        cost = cm.build(m, widths, draft_ms=draft)
+        conc = [int(c) for c in a.concurrency.split(",")] if a.concurrency else list(cost.rows)
+        rows = pj.project(cost, acceptance, conc, threshold=a.threshold)
+    except (cm.CostError, ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    header = [
+        "# PROJECTION — not a measurement",
+        "",
+        "Output tokens/s at saturated concurrency B (ratio to projected plain decoding),",
+        "from measured acceptance and step costs measured elsewhere:",
+        f"- step costs: {', '.join(m.sources)}",
+        f"- draft cost ms by batch: {dict(zip(cost.draft_rows, cost.draft_ms))}",
+        *(f"- filled: {n}" for n in cost.notes),
+    ]
+    for name, acc in acceptance.items():
+        header.append(
+            f"- acceptance of {name!r} (K={acc.block_size}): {len(acc.full_accepted)} full-block "
+            f"row-steps, {len(acc.rule_requested)} active-rule row-steps"
+        )
+    if not any(len(x.rule_requested) for x in acceptance.values()):
+        header.append(
+            f"- adaflash rule above {a.threshold} rows: no active-rule steps in the traces "
+            "(run the benchmark with adaflash:adaflash:threshold=0), so not projected there"
+        )
+    header.append("- goodput here = the best static width per B (see projection.py)")
+    text = pj.markdown(rows, header)
+    print(text)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"projection": True, "header": header, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`python -m experiments.benchmark --micro` end to end: every (method, concurrency, domain)
+cell in bench.json, lossless outputs, the scheduler reconstruction, traces, report files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from adaflash_jax.bench import throughput_bench as tb
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from experiments import benchmark, project_throughput
+
+REQUIRED = ("method", "policy", "concurrency", "domain", "tokens_per_s", "tau",
+            "mean_verify_width", "ratio_to_plain")  # fmt: skip
+
+
+def test_parse_method_and_errors():
+    assert tb.parse_method("plain") == tb.Method()
+    m = tb.parse_method("adaflash:adaflash:threshold=0,rate=1.5")
+    assert m.options == (("threshold", 0), ("rate", 1.5)) and "threshold=0" in m.label
+    for bad in ("stage1", "x:nope", "a:fixed:novalue"):
+        with pytest.raises(tb.BenchError):
+            tb.parse_method(bad)
+    assert tb.cell_requests([[1], [2]], 3, 5) == [([1], 5), ([2], 5), ([1], 5)]
+
+
+def test_micro_benchmark_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    cost = tmp_path / "cost.json"
+    VerifyCostTable(  # a given table skips the calibration (it has its own tests)
+        rows=(1, 2), widths=(1, 2, 4), verify_ms=((1, 2, 3), (2, 3, 5)), draft_ms=(1, 1)
+    ).save(cost)
+    argv = ["--micro", "--out", str(out), "--concurrency", "1,2", "--buckets", "2,4"]
+    argv += ["--cost-table", str(cost), "--adaflash-threshold", "1"]  # the rule acts at c=2
+    assert benchmark.main(argv) == 0
+    assert "plain" in capsys.readouterr().out
+
+    rows = json.loads((out / "bench.json").read_text())
+    labels = ["plain", "stage1/fixed", "adaflash/fixed", "adaflash/adaflash", "adaflash/goodput"]
+    domains = ["code", "prose", "math", "dialogue", "all"]
+    cells = {(r["label"], r["concurrency"], r["domain"]) for r in rows}
+    assert cells == {(m, c, d) for m in labels for c in (1, 2) for d in domains}
+    assert len(rows) == len(cells)
+    for r in rows:
+        assert all(k in r for k in REQUIRED), r
+        assert r["tokens_per_s"] > 0 and r["tau"] >= 1
+        assert r["matches_plain"] and r["occupancy_exact"], r  # lossless; scheduler model
+        assert r["compiles_in_timed_pass"] == 0
+        if r["method"] == "plain":
+            assert r["ratio_to_plain"] == 1 and r["mean_verify_width"] == 1
+        else:
+            assert r["mean_verify_width"] in (2, 4) or r["policy"] != "fixed"
+    by = {(r["label"], r["concurrency"], r["domain"]): r for r in rows}
+    assert by[("adaflash/adaflash", 1, "all")]["policy_active_fraction"] == 0  # 1 row <= 1
+    assert by[("adaflash/adaflash", 2, "all")]["policy_active_fraction"] > 0
+    assert "ideal_speedup" in by[("stage1/fixed", 1, "all")]
+
+    traces = json.loads((out / "bench_traces.json").read_text())
+    assert len(traces["cells"]) == 4 * 2 * 4  # every speculative cell
+    cell = traces["cells"][0]
+    steps = [len(t) for t in cell["accepted"]]
+    assert [len(t) for t in cell["requested"]] == steps and cell["loop_steps"] > 0
+    for name in ("bench.md", "throughput.png", "tau.png"):
+        assert os.path.getsize(out / name) > 0
+    assert "adaflash rule activity" in (out / "bench.md").read_text()
+
+    # the traces feed the projection (here with the bench's own cost table)
+    proj = tmp_path / "proj.json"
+    argv = ["--traces", str(out / "bench_traces.json"), "--cost-from-traces"]
+    assert project_throughput.main(argv + ["--json", str(proj), "--threshold", "0"]) == 0
+    got = {r["label"] for r in json.loads(proj.read_text())["rows"]}
+    assert got == {"plain", "stage1/fixed", "adaflash/fixed", "adaflash/goodput",
+                   "adaflash/adaflash"}  # fmt: skip

@@ -1,0 +1,117 @@
+"""The throughput projection against hand computations on a synthetic cost table and traces,
+the cost-table filling, and the occupancy reconstruction the trace filter relies on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from adaflash_jax.bench import cost_model as cm
+from adaflash_jax.bench import projection as pj
+from adaflash_jax.bench.throughput_bench import occupancy, running_per_step
+from experiments import project_throughput
+
+COST = {  # rows 1 and 4; widths 1, 2, 4; draft 2 ms and 4 ms
+    "format": "adaflash_jax.verify_cost/1",
+    "rows": [1, 4],
+    "widths": [1, 2, 4],
+    "verify_ms": [[10.0, 11.0, 12.0], [20.0, 24.0, 30.0]],
+    "draft_ms": [2.0, 4.0],
+    "device": "synthetic",
+    "model": "",
+}
+
+
+def _cell(policy, accepted, requested, *, concurrency=1, threshold=None):
+    return {
+        "label": f"ada/{policy}",
+        "method": "ada",
+        "policy": policy,
+        "policy_options": {} if threshold is None else {"threshold": threshold},
+        "concurrency": concurrency,
+        "domain": "code",
+        "block_size": 4,
+        "buckets": [1, 2, 4],
+        "accepted": accepted,
+        "requested": requested,
+    }
+
+
+def _write(tmp_path, cells):
+    traces = tmp_path / "traces.json"
+    traces.write_text(json.dumps({"cells": cells, "cost_tables": {}}))
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(COST))
+    return str(traces), str(cost)
+
+
+def test_projection_equals_hand_computation(tmp_path, capsys):
+    # full block: A = 3, 0 | 1, 3 (two requests); rule (always on): w = 4, 2 with A = 2, 1
+    cells = [
+        _cell("fixed", ["30", "13"], ["33", "33"]),
+        _cell("goodput", ["00"], ["00"]),  # marks goodput as run; its own trace is unused
+        _cell("adaflash", ["21"], ["31"], threshold=0),
+    ]
+    traces, cost = _write(tmp_path, cells)
+    out = tmp_path / "proj.json"
+    argv = ["--traces", traces, "--cost", cost, "--concurrency", "1,2", "--threshold", "0"]
+    assert project_throughput.main(argv + ["--json", str(out)]) == 0
+    assert "PROJECTION" in capsys.readouterr().out
+    got = {(r["label"], r["concurrency"]): r for r in json.loads(out.read_text())["rows"]}
+
+    # B=1: verify 10/11/12, draft 2. τ at W=4: (4+1+2+4)/4 = 2.75.
+    assert got[("plain", 1)]["tokens_per_s"] == pytest.approx(1000 / 10)
+    assert got[("ada/fixed", 1)]["tokens_per_s"] == pytest.approx(1000 * 2.75 / 14)
+    assert got[("ada/goodput", 1)]["verify_width"] == 4  # W=2: 1750/13 < 2750/14
+    # rule at B=1: bucket 2 or 4 with p 1/2 each; τ = (3 + 2)/2
+    assert got[("ada/adaflash", 1)]["tokens_per_s"] == pytest.approx(2500 / (2 + 11.5))
+    # B=2: rows interpolate linearly: verify 40/3, 46/3, 18; draft 8/3
+    assert got[("plain", 2)]["tokens_per_s"] == pytest.approx(2000 / (40 / 3))
+    assert got[("ada/fixed", 2)]["tokens_per_s"] == pytest.approx(5500 / (8 / 3 + 18))
+    assert got[("ada/fixed", 2)]["ratio_to_plain"] == pytest.approx((5500 / (8 / 3 + 18)) / 150)
+    # max of two requests: bucket 2 with p 1/4, bucket 4 with p 3/4
+    step = 8 / 3 + 0.25 * 46 / 3 + 0.75 * 18
+    assert got[("ada/adaflash", 2)]["tokens_per_s"] == pytest.approx(5000 / step)
+    assert got[("ada/adaflash", 2)]["verify_width"] == pytest.approx(0.25 * 2 + 0.75 * 4)
+
+    # above the default threshold 48 nothing of the rule is measured here; below it, it is
+    # the full block of the same drafter
+    assert project_throughput.main(["--traces", traces, "--cost", cost, "--json", str(out)]) == 0
+    got = {(r["label"], r["concurrency"]): r for r in json.loads(out.read_text())["rows"]}
+    assert got[("ada/adaflash", 4)]["tokens_per_s"] == got[("ada/fixed", 4)]["tokens_per_s"]
+
+
+def test_rule_steps_are_kept_only_above_the_threshold(tmp_path):
+    # 2 slots, requests of 2 and 1 steps: 2 rows run at step 0, 1 at step 1.
+    assert list(running_per_step([2, 1], 2)) == [2, 1]
+    cell = _cell("adaflash", ["12", "3"], ["01", "2"], concurrency=2, threshold=1)
+    traces, _ = _write(tmp_path, [cell])
+    acc = pj.load_acceptance(traces)["ada"]
+    assert list(acc.rule_requested) == [1, 3] and list(acc.rule_accepted) == [1, 3]
+
+
+def test_occupancy_is_fifo_into_free_slots():
+    starts, end = occupancy([3, 1, 2, 2], 2)
+    assert list(starts) == [0, 0, 1, 3] and end == 5
+    assert list(running_per_step([3, 1, 2, 2], 2)) == [2, 2, 2, 1, 1]
+
+
+def test_cost_fill_rules_and_errors(tmp_path):
+    m = cm.Measurements()
+    m.verify.update({(1, 1): 10.0, (1, 4): 16.0, (8, 2): 30.0, (8, 4): 40.0})
+    model = cm.build(m, (1, 2, 4), draft_ms={1: 1.0, 8: 2.0})
+    assert model.verify(1, 2) == pytest.approx(12.0)  # linear between W=1 and W=4
+    # B=8 W=1 is outside its widths: 30 · (B=1's W1/W2 = 10/12)
+    assert model.verify(8, 1) == pytest.approx(30 * 10 / 12)
+    assert any("B=8 W=1" in n for n in model.notes)
+    assert model.draft(4.5) == pytest.approx(1.5)
+    with pytest.raises(cm.CostError, match="outside the measured rows"):
+        model.verify(16, 1)
+    design = cm.build(m, (1, 2, 4))  # no draft measured: DESIGN §7
+    assert design.draft(1) == pytest.approx(2.613)
+    with pytest.raises(cm.CostError, match="cannot fill"):
+        cm.build(cm.Measurements(verify={(1, 1): 1.0, (2, 2): 2.0}), (1, 2))
+    assert cm.parse_draft_ms("1:2.6,128:16") == {1: 2.6, 128: 16.0}
+    np.testing.assert_allclose(model.verify_ms[0], [10, 12, 16])
