@@ -1,8 +1,19 @@
-"""Plain decode throughput of a random-weight target: `python -m experiments.benchmark_decode`.
+"""Decode benchmarks. Three modes:
 
-Each case runs the jitted generate loop twice after a warm-up compile: with N new tokens and
+python -m experiments.benchmark_decode                       # plain generate loop, random tiny
+python -m experiments.benchmark_decode --slots 1,4,16 [--target DIR --drafter DIR]
+python -m experiments.benchmark_decode --shape qwen3-8b --batches 1,8,32,64,128 --widths 1,2,4,8,16
+
+Loop mode: the jitted generate loop runs twice after a warm-up compile, with N new tokens and
 with 1 (prefill + first sample). Decode tokens/s = B·(N−1) / (t_N − t_1) on medians, so
 prefill does not inflate it; end-to-end tokens/s = B·N / t_N is reported too.
+Slots mode: plain vs speculative decoding through the same continuous-batching engine at each
+slot count (tokens/s, τ, ratio measured in the same run; default: random tiny target with an
+untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal).
+Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
+the weight-read floor (goal <= 1.5x), the verify table per batch and width (DESIGN §7) and,
+with --draft-layers, the drafter block forward per batch; --cost-table writes them as a
+verify-cost table for the goodput policy and experiments.project_throughput.
 """
 
 from __future__ import annotations
@@ -92,8 +103,8 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, action="append", help="repeatable (default: 1 and 8)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -101,7 +112,32 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = p.parse_args(argv)
+    s = p.add_argument_group("slots mode: plain vs speculative through the engine")
+    s.add_argument("--slots", help="comma list of slot counts, e.g. 1,4,16")
+    s.add_argument("--target", help="HF target dir (default: random --config target)")
+    s.add_argument("--drafter", help="drafter dir (default: an untrained drafter)")
+    s.add_argument("--policies", default="fixed", help="comma list of fixed/adaflash/goodput")
+    s.add_argument("--requests", type=int, help="requests per slot count (default: 2 x slots)")
+    g = p.add_argument_group("shape mode: random-weight timings of a named shape (GPU)")
+    g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/bench/shapes.py)")
+    g.add_argument("--batches", default="1,8,32,64,128")
+    g.add_argument("--widths", default="1,2,4,8,16")
+    g.add_argument("--context", type=int, default=1024)
+    g.add_argument("--iters", type=int, default=10)
+    g.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM TB/s (H200: 4.3)")
+    g.add_argument("--draft-layers", type=int, default=0, help="also time a drafter (0: no)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--draft-batches", help="default: --batches")
+    g.add_argument("--cost-table", help="write a verify-cost table JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.shape:
+        return shape_mode(args)
+    if args.slots:
+        return slots_mode(args)
     model = build_random_target(args.config, dtype=getattr(jnp, args.dtype))
     rows = [
         bench_plain(
@@ -118,6 +154,113 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "dtype": args.dtype, "rows": rows}, f, indent=2)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def slots_mode(args) -> None:
+    from adaflash_jax.decode import bench
+
+    dtype = getattr(jnp, args.dtype)
+    if args.target:
+        from adaflash_jax.model.checkpoint import load_target
+
+        target = load_target(args.target, dtype=dtype)
+    else:
+        target = build_random_target(args.config, dtype=dtype)
+    if args.drafter:
+        from adaflash_jax.drafter.checkpoint import load_drafter
+
+        drafter = load_drafter(args.drafter, dtype=dtype)
+        drafter.config.validate_against(target.config)
+    else:
+        drafter = untrained_drafter(target.config, dtype)
+    k = drafter.config.block_size
+    capacity = 16 * -(-(args.prompt_len + args.new_tokens + k) // 16)
+    rows = []
+    for slots in _ints(args.slots):
+        n = args.requests or 2 * slots
+        reqs = bench.random_requests(
+            target.config.vocab_size, n, prompt_len=(8, args.prompt_len), max_new=args.new_tokens
+        )
+        plain = bench.time_plain(target, reqs, slots=slots, capacity=capacity)
+        rows.append(plain)
+        for policy in args.policies.split(","):
+            spec = bench.time_speculative(
+                target, drafter, reqs, slots=slots, capacity=capacity, policy=policy
+            )
+            spec["ratio_to_plain"] = spec["tokens_per_s"] / plain["tokens_per_s"]
+            rows.append(spec)
+    print(f"backend={jax.default_backend()} block={k} new_tokens={args.new_tokens}")
+    print(f"{'slots':>5} {'method':>12} {'policy':>8} {'tok/s':>9} {'ratio':>6} {'tau':>5} "
+          f"{'width':>5} {'step ms':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['slots']:>5} {r['method']:>12} {r['policy'] or '-':>8} "
+              f"{r['tokens_per_s']:>9.1f} {r.get('ratio_to_plain', 1.0):>6.2f} {r['tau']:>5.2f} "
+              f"{r['mean_verify_width']:>5.2f} {r['step_ms']:>8.2f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "slots", "rows": rows}, f, indent=2)
+
+
+def untrained_drafter(cfg: TargetConfig, dtype):
+    from adaflash_jax.drafter.config import DrafterConfig
+    from adaflash_jax.drafter.model import Drafter
+
+    dcfg = DrafterConfig.for_target(
+        cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=8, num_features=2
+    )
+    return Drafter(dcfg, rngs=nnx.Rngs(1), dtype=dtype, param_dtype=dtype)
+
+
+def shape_mode(args) -> None:
+    from adaflash_jax.bench import shape_bench as sb
+    from adaflash_jax.bench.forward_timing import random_target
+    from adaflash_jax.bench.shapes import shape_config
+
+    cfg = shape_config(args.shape)
+    device = jax.devices()[0].device_kind
+    floor = sb.floor_ms(cfg, args.bandwidth_tbs)
+    print(f"{args.shape} on {device}: weight-read floor {floor:.2f} ms", flush=True)
+    t0 = time.perf_counter()
+    graphdef, state = random_target(cfg, jnp.bfloat16)
+    print(f"random bf16 weights in {time.perf_counter() - t0:.1f} s", flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    batches, widths = _ints(args.batches), _ints(args.widths)
+    rows = sb.verify_table(graphdef, state, cfg, batches=batches, widths=widths,
+                           context=args.context, iters=args.iters, log=log)  # fmt: skip
+    draft_rows = []
+    if args.draft_layers:
+        dgraph, dstate = sb.random_drafter(cfg, layers=args.draft_layers,
+                                           block_size=args.block_size)  # fmt: skip
+        draft_rows = sb.draft_times(graphdef, state, dgraph, dstate,
+                                    batches=_ints(args.draft_batches or args.batches),
+                                    context=args.context, iters=args.iters, log=log)  # fmt: skip
+    decode = [r for r in rows if r["batch"] == 1 and r["width"] == 1]
+    print(
+        "\nverify (target forward over W new tokens per row), median ms, context "
+        f"{args.context}:\n" + sb.markdown_grid(rows, floor)
+    )
+    summary = {}
+    if decode:
+        ratio = decode[0]["median_ms"] / floor
+        met = "met" if ratio <= sb.DECODE_GOAL else "NOT met"
+        summary = {"decode_b1_ms": decode[0]["median_ms"], "floor_ms": floor, "ratio": ratio}
+        print(f"plain decode step at B=1: {decode[0]['median_ms']:.2f} ms = {ratio:.2f}x the "
+              f"floor (goal <= {sb.DECODE_GOAL}x: {met})")  # fmt: skip
+    out = {"shape": args.shape, "device": device, "context": args.context, "floor_ms": floor,
+           "decode_b1": summary, "rows": rows, "draft_rows": draft_rows}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.cost_table:
+        table = sb.cost_table(rows, draft_rows, device=device, model=f"{args.shape} random bf16")
+        if table is None:
+            raise SystemExit("--cost-table needs every (batch, width) cell measured")
+        table.save(args.cost_table)
+        print(f"wrote {args.cost_table}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""GPU-shaped timings with random weights: the verify table per (batch, width), the drafter's
+block forward per batch, the plain decode step at batch 1 against the weight-read floor.
+
+Dimensions: B batch rows, W verify width (new tokens per row), C cached context, K block.
+
+Builds on `forward_timing` (random target, jitted verify with cache rollback); the drafter
+is a DFlash-shaped model of the target's widths, initialised leaf by leaf like the target
+(a jitted init of a big model compiles for minutes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.bench.forward_timing import make_verify_fn, time_forward
+from adaflash_jax.bench.shapes import weight_bytes
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
+
+DECODE_GOAL = 1.5  # issue 4: a plain decode step within 1.5x the weight-read floor
+
+
+def floor_ms(cfg, bandwidth_tbs: float) -> float:
+    return weight_bytes(cfg) / (bandwidth_tbs * 1e12) * 1e3
+
+
+def verify_table(graphdef, state, cfg, *, batches, widths, context: int, iters: int, log=print):
+    """Median ms of the cached target forward at every (batch, width)."""
+    verify_fn = make_verify_fn(graphdef)
+    rows = []
+    for b in batches:
+        for w in widths:
+            r = time_forward(
+                graphdef, state, cfg, batch=b, width=w, context=context, iters=iters,
+                verify_fn=verify_fn,
+            )  # fmt: skip
+            rows.append(r)
+            log(f"verify B={b:4d} W={w:3d}  median {r['median_ms']:8.2f} ms  "
+                f"first call {r['first_call_s']:.1f} s")  # fmt: skip
+    return rows
+
+
+def random_drafter(target_cfg, *, layers: int, block_size: int, dtype=jnp.bfloat16, seed=1):
+    """(graphdef, state) of a random DFlash-shaped drafter for the target's widths."""
+    cfg = DrafterConfig.for_target(
+        target_cfg,
+        mask_token_id=target_cfg.vocab_size - 1,
+        num_layers=layers,
+        block_size=block_size,
+        num_features=min(5, target_cfg.num_hidden_layers),
+        length_head=False,
+    )
+    abstract = nnx.eval_shape(
+        lambda: Drafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract_state))))
+    state = jax.tree.map(
+        lambda s: (0.02 * jax.random.normal(next(keys), s.shape, jnp.float32)).astype(s.dtype),
+        abstract_state,
+    )
+    return graphdef, state
+
+
+def draft_times(tgraph, tstate, dgraph, dstate, *, batches, context: int, iters: int, log=print):
+    """Median ms of one drafter block forward (K tokens, LM head on K−1) per batch size."""
+
+    @jax.jit
+    def draft(dstate, tstate, cache, bonus_B):
+        target, drafter = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+        out = drafter.draft(cache, bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+        return jnp.argmax(out.logits_BxKm1xV, axis=-1)
+
+    drafter = nnx.merge(dgraph, dstate)
+    rows = []
+    for b in batches:
+        cache = drafter.init_context_cache(b, context + drafter.config.block_size)
+        cache = cache.with_lengths(jnp.full((b,), context, jnp.int32))
+        bonus = jnp.zeros((b,), jnp.int32)
+        t0 = time.perf_counter()
+        draft(dstate, tstate, cache, bonus).block_until_ready()
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            draft(dstate, tstate, cache, bonus).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        rows.append({"batch": b, "median_ms": float(np.median(times) * 1e3), "first_call_s": first})
+        log(f"draft  B={b:4d} K={drafter.config.block_size:3d}  median "
+            f"{rows[-1]['median_ms']:8.2f} ms  first call {first:.1f} s")  # fmt: skip
+    return rows
+
+
+def cost_table(rows, draft_rows, *, device: str, model: str) -> VerifyCostTable | None:
+    """A verify-cost table when the (batch, width) grid is complete (else None)."""
+    batches = sorted({r["batch"] for r in rows})
+    widths = sorted({r["width"] for r in rows})
+    cells = {(r["batch"], r["width"]): r["median_ms"] for r in rows}
+    if len(cells) != len(batches) * len(widths):
+        return None
+    draft = {r["batch"]: r["median_ms"] for r in draft_rows}
+    return VerifyCostTable(
+        rows=tuple(batches),
+        widths=tuple(widths),
+        verify_ms=tuple(tuple(cells[(b, w)] for w in widths) for b in batches),
+        draft_ms=tuple(draft.get(b, 0.0) for b in batches),
+        device=device,
+        model=model,
+    )
+
+
+def markdown_grid(rows, floor: float | None = None) -> str:
+    """DESIGN §7-style table: batch rows × width columns, median ms."""
+    batches = sorted({r["batch"] for r in rows})
+    widths = sorted({r["width"] for r in rows})
+    cells = {(r["batch"], r["width"]): r["median_ms"] for r in rows}
+    lines = ["| B \\ W | " + " | ".join(str(w) for w in widths) + " |"]
+    lines.append("|---|" + "---|" * len(widths))
+    for b in batches:
+        vals = [f"{cells[(b, w)]:.3g}" if (b, w) in cells else "" for w in widths]
+        lines.append(f"| {b} | " + " | ".join(vals) + " |")
+    if floor is not None:
+        lines.append(f"\nweight-read floor of one step: {floor:.2f} ms")
+    return "\n".join(lines)
