@@ -1,6 +1,6 @@
 """On-policy collection and τ measurement: which blocks the drafter drafts, how much is accepted.
 
-Dimensions: B sequences, S sequence length, N anchors (every response position), K block
+Dimensions: B sequences, S sequence length, T max steps per row, K block
 size, P = K−1, V vocab.
 
 Two backends give the same per-step record (anchor position, accepted drafts):
@@ -11,10 +11,10 @@ Two backends give the same per-step record (anchor position, accepted drafts):
   target's greedy response, and every step's outcome is a function of that response: the
   drafter, anchored at the last committed token a with the target's features of every
   position before a, drafts a+1..a+K−1 and the target accepts the leading drafts equal to
-  its own argmax. Replay computes the accepted streak at EVERY response position in one
-  batched drafter forward (the training path, `train_hidden`) and then walks the chain
-  a → a + A(a) + 1 on the host. `tests/test_collect.py` checks it against a step-by-step
-  cached speculative decode.
+  its own argmax. Replay runs the target once over the whole sequences, then walks every
+  row's chain a → a + A(a) + 1 in one on-device loop that drafts one block per row per
+  iteration (the training path, `train_hidden`, with N = 1). `tests/test_collect.py` checks
+  it against a step-by-step cached speculative decode and against the serving engine.
 
 τ counts the bonus token: τ = Σ (accepted + 1) / steps. The first response token comes from
 the prefill and is not a step.
@@ -46,25 +46,56 @@ class Trajectory:
         return float(np.mean(self.accepted + 1)) if len(self.accepted) else float("nan")
 
 
-@functools.partial(jax.jit, static_argnames=("d_graph", "t_graph", "block_size", "layers"))
-def _streaks(d_graph, d_params, t_graph, t_params, tokens_BxS, loss_mask_BxS, anchors_BxN,
-             valid_BxN, *, block_size, layers):  # fmt: skip
-    """Accepted greedy streak of a block anchored at every given position → [B, N]."""
+@functools.partial(
+    jax.jit, static_argnames=("d_graph", "t_graph", "block_size", "layers", "max_steps")
+)
+def _chains(d_graph, d_params, t_graph, t_params, tokens_BxS, loss_mask_BxS, start_B, end_B,
+            *, block_size, layers, max_steps):  # fmt: skip
+    """Greedy speculative steps of every row, walked on device → (anchors [B, T], accepted
+    [B, T], steps [B]) with T = max_steps.
+
+    The target runs ONCE over the whole sequences (its features of every position, its argmax
+    at every position); each loop iteration drafts one block per row at the row's current
+    anchor (the training path with N = 1) and advances the anchor by accepted + 1.
+    """
     target = nnx.merge(t_graph, t_params)
     out = target(tokens_BxS, feature_layers=layers, compute_logits=False)
     best_BxS = jnp.argmax(target.logits(out.hidden_BxTxD), axis=-1)
+    emb_VxD, head_DxV = target.embedding_VxD(), target.lm_head_DxV()
     drafter = nnx.merge(d_graph, d_params)
-    hidden = drafter.train_hidden(
-        out.features_BxTxnD, tokens_BxS, anchors_BxN, valid_BxN, target.embedding_VxD()
+    b = tokens_BxS.shape[0]
+    rows_B = jnp.arange(b)
+
+    def body(carry):
+        a_B, n_B, anchors_BxT, accepted_BxT = carry
+        active_B = a_B < end_B
+        anchors_Bx1, valid_Bx1 = a_B[:, None], active_B[:, None]
+        hidden = drafter.train_hidden(
+            out.features_BxTxnD, tokens_BxS, anchors_Bx1, valid_Bx1, emb_VxD
+        )
+        draft_Bx1xP = jnp.argmax(drafter.logits(hidden[:, :, 1:], head_DxV), axis=-1)
+        _, mask_Bx1xP, tpos_Bx1xP = block_targets(
+            tokens_BxS, loss_mask_BxS, anchors_Bx1, valid_Bx1, block_size
+        )
+        want_Bx1xP = jnp.take_along_axis(best_BxS, tpos_Bx1xP[:, 0], axis=1)[:, None]
+        # Past the response (or the sequence) the mask stops the streak: never a match there.
+        acc_B = accepted_streak(draft_Bx1xP, want_Bx1xP, mask_Bx1xP)[:, 0]
+        slot_B = jnp.where(active_B, n_B, max_steps)  # inactive rows write nowhere
+        anchors_BxT = anchors_BxT.at[rows_B, slot_B].set(a_B, mode="drop")
+        accepted_BxT = accepted_BxT.at[rows_B, slot_B].set(acc_B, mode="drop")
+        a_B = jnp.where(active_B, a_B + acc_B + 1, a_B)
+        return a_B, n_B + active_B.astype(jnp.int32), anchors_BxT, accepted_BxT
+
+    init = (
+        start_B,
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b, max_steps), jnp.int32),
+        jnp.zeros((b, max_steps), jnp.int32),
     )
-    draft_BxNxP = jnp.argmax(drafter.logits(hidden[:, :, 1:], target.lm_head_DxV()), axis=-1)
-    _, mask_BxNxP, tpos_BxNxP = block_targets(
-        tokens_BxS, loss_mask_BxS, anchors_BxN, valid_BxN, block_size
+    _, n_B, anchors_BxT, accepted_BxT = jax.lax.while_loop(
+        lambda c: jnp.any(c[0] < end_B), body, init
     )
-    b, n, p = tpos_BxNxP.shape
-    want_BxNxP = jnp.take_along_axis(best_BxS, tpos_BxNxP.reshape(b, n * p), axis=1)
-    # Positions past the sequence are clamped by block_targets; mask them, never match them.
-    return accepted_streak(draft_BxNxP, want_BxNxP.reshape(b, n, p), mask_BxNxP)
+    return anchors_BxT, accepted_BxT, n_B
 
 
 def replay(
@@ -80,57 +111,44 @@ def replay(
 ) -> list[Trajectory]:
     """Greedy speculative-decoding trajectories of every sequence of `data` (see module doc).
 
-    `span` (≥ the longest response, e.g. max new tokens) fixes the anchor count, so every
-    dataset shares one compiled program.
+    `span` (≥ the longest response, e.g. max new tokens) bounds the steps per row, so every
+    dataset of one run shares one compiled program.
     """
-    d_graph, d_params = drafter_split
-    t_graph, t_params = target_split
-    s = data.seq_len
     from tqdm.auto import tqdm
 
+    d_graph, d_params = drafter_split
+    t_graph, t_params = target_split
     trajectories = []
     starts = range(0, len(data), batch_size)
     for lo in tqdm(starts, desc=desc, disable=jax.process_index() != 0, leave=False):
         idx = np.arange(lo, min(lo + batch_size, len(data)))
         pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])  # fixed shape
         tokens, mask = data.tokens[pad], data.loss_mask[pad]
-        start_B = np.argmax(mask, axis=1)
-        pos_BxN = start_B[:, None] + np.arange(span)[None, :]
-        valid_BxN = (pos_BxN < s) & np.take_along_axis(mask, np.minimum(pos_BxN, s - 1), 1)
-        anchors_BxN = np.where(valid_BxN, pos_BxN, 0).astype(np.int32)
-        streak_BxN = _streaks(
-            d_graph,
-            d_params,
-            t_graph,
-            t_params,
-            jnp.asarray(tokens),
-            jnp.asarray(mask),
-            jnp.asarray(anchors_BxN),
-            jnp.asarray(valid_BxN),
-            block_size=block_size,
-            layers=tuple(feature_layers),
+        has = mask.any(axis=1)
+        start_B = np.where(has, np.argmax(mask, axis=1), 0).astype(np.int32)
+        last_B = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+        end_B = np.where(has, last_B, 0).astype(np.int32)  # the block at `end` never runs
+        anchors_BxT, accepted_BxT, n_B = jax.device_get(
+            _chains(
+                d_graph,
+                d_params,
+                t_graph,
+                t_params,
+                jnp.asarray(tokens),
+                jnp.asarray(mask),
+                jnp.asarray(start_B),
+                jnp.asarray(end_B),
+                block_size=block_size,
+                layers=tuple(feature_layers),
+                max_steps=span,
+            )
         )
-        streak_BxN = np.asarray(jax.device_get(streak_BxN))
         for row in range(len(idx)):
-            streak_S = np.zeros(s, np.int64)
-            ok = valid_BxN[row]
-            streak_S[anchors_BxN[row][ok]] = streak_BxN[row][ok]
-            trajectories.append(_walk(mask[row], streak_S))
+            n = int(n_B[row])
+            trajectories.append(
+                Trajectory(anchors_BxT[row, :n].astype(np.int32), accepted_BxT[row, :n])
+            )
     return trajectories
-
-
-def _walk(loss_mask_S: np.ndarray, streak_S: np.ndarray) -> Trajectory:
-    resp = np.flatnonzero(loss_mask_S)
-    if resp.size < 2:
-        return Trajectory(np.zeros(0, np.int32), np.zeros(0, np.int32))
-    a, end = int(resp[0]), int(resp[-1])
-    anchors, accepted = [], []
-    while a < end:
-        acc = min(int(streak_S[a]), end - a)
-        anchors.append(a)
-        accepted.append(acc)
-        a += acc + 1
-    return Trajectory(np.asarray(anchors, np.int32), np.asarray(accepted, np.int32))
 
 
 def with_visited(data: SequenceData, trajectories: Sequence[Trajectory]) -> SequenceData:
