@@ -1,0 +1,70 @@
+"""Prompt files: JSONL `prompt`, ShareGPT `conversations`, `messages`, plain text; chat
+template; truncation keeps the end; per-domain choice; per-host shards."""
+
+import json
+
+import pytest
+
+from adaflash_jax.distill import prompts as P
+from adaflash_jax.tokenizer import CHATML_TEMPLATE, Tokenizer, write_byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
+    return Tokenizer(path)
+
+
+def test_read_all_formats(tmp_path):
+    records = [
+        {"prompt": "plain one", "domain": "code"},
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "again"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ]
+    path = tmp_path / "mix.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    got = P.read_prompts(str(path))
+    assert [p.domain for p in got] == ["code", "mix", "mix"]  # default: the file's stem
+    assert got[0].text == "plain one"
+    assert [m["role"] for m in got[1].messages] == ["system", "user"]  # cut at the assistant
+    assert got[2].messages == ({"role": "user", "content": "q"},)
+    txt = tmp_path / "lines.txt"
+    txt.write_text("first\n\nsecond\n")
+    assert [p.text for p in P.read_prompts(str(txt))] == ["first", "second"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(P.PromptError, match="record 0"):
+        P.read_prompts(str(bad))
+    bad.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "x"}]}) + "\n")
+    with pytest.raises(P.PromptError, match="no user turn"):
+        P.read_prompts(str(bad))
+
+
+def test_encode_chat_template_and_truncation(tokenizer):
+    prompts = [P.Prompt(domain="d", text="hello"), P.Prompt(domain="d", text="abcdefgh")]
+    chat = P.encode(prompts[:1], tokenizer, chat_template=True, max_len=100)[0]
+    assert tokenizer.decode(chat, skip_special_tokens=False) == (
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    )
+    plain = P.encode(prompts, tokenizer, chat_template=False, max_len=3)
+    assert tokenizer.decode(plain[1]) == "fgh"  # the end of the prompt is kept
+
+
+def test_per_domain_and_shard():
+    prompts = [P.Prompt(domain=d, text=f"{d}{i}") for d in "ab" for i in range(5)]
+    pick = P.per_domain(prompts, 2, seed=0)
+    assert [p.domain for p in pick] == ["a", "a", "b", "b"]
+    assert pick == P.per_domain(prompts, 2, seed=0)  # seeded
+    assert [p.domain for p in P.per_domain(prompts, 9, seed=0, domains=("b",))] == ["b"] * 5
+    with pytest.raises(P.PromptError, match="domains"):
+        P.per_domain(prompts, 1, seed=0, domains=("c",))
+    shards = [P.shard(prompts, i, 3) for i in range(3)]
+    assert sorted(p.text for s in shards for p in s) == sorted(p.text for p in prompts)
