@@ -110,12 +110,16 @@ def main(argv=None) -> int:
             table = VerifyCostTable.load(a.cost_table)
             tables = {name: table for name in drafters}
         bench = tb.ThroughputBench(target, drafters, prompts, methods, settings, cost_tables=tables)
-        result = bench.run()
+
+        def save(partial):  # after every concurrency level: a cut-short run keeps those
+            partial.meta["inputs"] = {"target": src["target"], "drafters": src["drafters"]}
+            return report.write_outputs(partial, a.out)
+
+        result = bench.run(on_level=save)
     except (BenchError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result.meta["inputs"] = {"target": src["target"], "drafters": src["drafters"]}
-    paths = report.write_outputs(result, a.out)
+    paths = save(result)
     print(report.markdown([r for r in result.rows if r["domain"] == "all"], result.meta))
     print("wrote " + ", ".join(paths.values()))
     return 0

@@ -227,34 +227,37 @@ def shape_mode(args) -> None:
     t0 = time.perf_counter()
     graphdef, state = random_target(cfg, jnp.bfloat16)
     print(f"random bf16 weights in {time.perf_counter() - t0:.1f} s", flush=True)
-    log = lambda s: print(s, flush=True)  # noqa: E731
     batches, widths = _ints(args.batches), _ints(args.widths)
-    rows = sb.verify_table(graphdef, state, cfg, batches=batches, widths=widths,
-                           context=args.context, iters=args.iters, log=log)  # fmt: skip
-    draft_rows = []
+    rows, draft_rows, summary = [], [], {}
+    out = {"shape": args.shape, "device": device, "context": args.context, "floor_ms": floor,
+           "decode_b1": summary, "rows": rows, "draft_rows": draft_rows}  # fmt: skip
+
+    def log(line: str) -> None:  # progress, and the JSON so far (a cut-short run keeps it)
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+    sb.verify_table(graphdef, state, cfg, batches=batches, widths=widths, context=args.context,
+                    iters=args.iters, log=log, rows=rows)  # fmt: skip
     if args.draft_layers:
         dgraph, dstate = sb.random_drafter(cfg, layers=args.draft_layers,
                                            block_size=args.block_size)  # fmt: skip
-        draft_rows = sb.draft_times(graphdef, state, dgraph, dstate,
-                                    batches=_ints(args.draft_batches or args.batches),
-                                    context=args.context, iters=args.iters, log=log)  # fmt: skip
+        kw = dict(context=args.context, iters=args.iters, log=log, rows=draft_rows)
+        batches_d = _ints(args.draft_batches or args.batches)
+        sb.draft_times(graphdef, state, dgraph, dstate, batches=batches_d, **kw)
     decode = [r for r in rows if r["batch"] == 1 and r["width"] == 1]
     print(
         "\nverify (target forward over W new tokens per row), median ms, context "
         f"{args.context}:\n" + sb.markdown_grid(rows, floor)
     )
-    summary = {}
     if decode:
         ratio = decode[0]["median_ms"] / floor
         met = "met" if ratio <= sb.DECODE_GOAL else "NOT met"
-        summary = {"decode_b1_ms": decode[0]["median_ms"], "floor_ms": floor, "ratio": ratio}
+        summary.update(decode_b1_ms=decode[0]["median_ms"], floor_ms=floor, ratio=ratio)
         print(f"plain decode step at B=1: {decode[0]['median_ms']:.2f} ms = {ratio:.2f}x the "
               f"floor (goal <= {sb.DECODE_GOAL}x: {met})")  # fmt: skip
-    out = {"shape": args.shape, "device": device, "context": args.context, "floor_ms": floor,
-           "decode_b1": summary, "rows": rows, "draft_rows": draft_rows}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    log("done")
     if args.cost_table:
         table = sb.cost_table(rows, draft_rows, device=device, model=f"{args.shape} random bf16")
         if table is None:

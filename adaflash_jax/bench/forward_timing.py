@@ -21,7 +21,7 @@ from adaflash_jax.model.target import TargetLM
 
 
 def random_target(cfg: TargetConfig, dtype=jnp.bfloat16, seed: int = 0):
-    """(graphdef, state) of a random-weight target, materialised by one jitted init."""
+    """(graphdef, state) of a random-weight target, materialised leaf by leaf on device."""
     abstract = nnx.eval_shape(
         lambda: TargetLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
     )

@@ -179,6 +179,13 @@ def plot_tau(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _atomic_json(path: str, obj, **kw) -> None:
+    """A run killed mid-write (a time budget) leaves the previous complete file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, **kw)
+    os.replace(path + ".tmp", path)
+
+
 def write_outputs(result, out_dir: str) -> dict[str, str]:
     """bench.json (rows), bench_traces.json (meta, cost tables, traces), bench.md, PNGs."""
     os.makedirs(out_dir, exist_ok=True)
@@ -189,8 +196,7 @@ def write_outputs(result, out_dir: str) -> dict[str, str]:
         "throughput_plot": os.path.join(out_dir, "throughput.png"),
         "tau_plot": os.path.join(out_dir, "tau.png"),
     }
-    with open(paths["rows"], "w") as f:
-        json.dump(result.rows, f, indent=1)
+    _atomic_json(paths["rows"], result.rows, indent=1)
     traces = {
         "format": "adaflash_jax.bench_traces/1",
         "encoding": "per request, one base-36 digit per verify step: accepted drafts; "
@@ -199,10 +205,10 @@ def write_outputs(result, out_dir: str) -> dict[str, str]:
         "cost_tables": {n: t.to_json() for n, t in result.cost_tables.items()},
         "cells": result.traces,
     }
-    with open(paths["traces"], "w") as f:
-        json.dump(traces, f)
-    with open(paths["markdown"], "w") as f:
+    _atomic_json(paths["traces"], traces)
+    with open(paths["markdown"] + ".tmp", "w") as f:
         f.write(markdown(result.rows, result.meta))
+    os.replace(paths["markdown"] + ".tmp", paths["markdown"])
     plot_throughput(result.rows, paths["throughput_plot"])
     plot_tau(result.rows, paths["tau_plot"])
     return paths

@@ -30,10 +30,13 @@ def floor_ms(cfg, bandwidth_tbs: float) -> float:
     return weight_bytes(cfg) / (bandwidth_tbs * 1e12) * 1e3
 
 
-def verify_table(graphdef, state, cfg, *, batches, widths, context: int, iters: int, log=print):
-    """Median ms of the cached target forward at every (batch, width)."""
+def verify_table(
+    graphdef, state, cfg, *, batches, widths, context: int, iters: int, log=print, rows=None
+):
+    """Median ms of the cached target forward at every (batch, width), appended to `rows`
+    as they come (a run cut short keeps the finished cells)."""
     verify_fn = make_verify_fn(graphdef)
-    rows = []
+    rows = [] if rows is None else rows
     for b in batches:
         for w in widths:
             r = time_forward(
@@ -68,7 +71,9 @@ def random_drafter(target_cfg, *, layers: int, block_size: int, dtype=jnp.bfloat
     return graphdef, state
 
 
-def draft_times(tgraph, tstate, dgraph, dstate, *, batches, context: int, iters: int, log=print):
+def draft_times(
+    tgraph, tstate, dgraph, dstate, *, batches, context: int, iters: int, log=print, rows=None
+):
     """Median ms of one drafter block forward (K tokens, LM head on K−1) per batch size."""
 
     @jax.jit
@@ -78,7 +83,7 @@ def draft_times(tgraph, tstate, dgraph, dstate, *, batches, context: int, iters:
         return jnp.argmax(out.logits_BxKm1xV, axis=-1)
 
     drafter = nnx.merge(dgraph, dstate)
-    rows = []
+    rows = [] if rows is None else rows
     for b in batches:
         cache = drafter.init_context_cache(b, context + drafter.config.block_size)
         cache = cache.with_lengths(jnp.full((b,), context, jnp.int32))

@@ -332,9 +332,12 @@ class ThroughputBench:
         return row, trace
 
     # ---- everything -----------------------------------------------------------------------
-    def run(self) -> BenchResult:
+    def run(self, on_level: Callable[[BenchResult], None] | None = None) -> BenchResult:
+        """Every cell, concurrency levels in the given order; `on_level` gets the result so
+        far after each level (a run cut short keeps its finished levels)."""
         rows, traces = [], []
         t_start = time.perf_counter()
+        result = None
         for c in self.settings.concurrencies:
             for domain in self.prompts:
                 plain = None
@@ -352,7 +355,13 @@ class ThroughputBench:
                         f"  x{row['ratio_to_plain']:.2f}  tau {row['tau']:.2f}  width "
                         f"{row['mean_verify_width']:.2f}  running {row['mean_running']:.1f}"
                     )
-        rows += aggregate(rows)
+            result = self._result(rows, traces, time.perf_counter() - t_start)
+            if on_level is not None:
+                on_level(result)
+        return result
+
+    def _result(self, rows, traces, wall_s: float) -> BenchResult:
+        rows = rows + aggregate(rows)
         for name, drafter in self.drafters.items():  # same architecture → same costs
             for other, table in list(self.cost_tables.items()):
                 same = other in self.drafters and self.drafters[other].config == drafter.config
@@ -373,9 +382,11 @@ class ThroughputBench:
                 n: {"block_size": d.config.block_size, "layers": d.config.num_hidden_layers}
                 for n, d in self.drafters.items()
             },
-            "wall_s": time.perf_counter() - t_start,
+            "wall_s": wall_s,
         }
-        return BenchResult(rows=rows, traces=traces, cost_tables=self.cost_tables, meta=meta)
+        return BenchResult(
+            rows=rows, traces=list(traces), cost_tables=dict(self.cost_tables), meta=meta
+        )
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
