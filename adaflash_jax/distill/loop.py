@@ -3,7 +3,8 @@
 A stage's checkpoint directory holds its `TrainState` minus the frozen target and the data
 iterator's JSON state (plus whatever `data_extra` the caller adds, e.g. the stage-2 round).
 `run_stage` restores the latest checkpoint when there is one, so calling it again after a
-kill continues with the exact next batch; the last step is always saved (forced).
+kill continues with the exact next batch; the last step is always saved (forced). Logged
+metrics are means over the log interval (TensorBoard and the returned history).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from adaflash_jax.distill.state import checkpointable
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
@@ -71,6 +73,7 @@ def run_stage(
         total=run.total_steps, initial=start, tokens_per_step=run.tokens_per_step, desc=run.name
     ) as bar:
         t_last, steps_since = time.perf_counter(), 0
+        summed, count = None, 0  # metrics summed on device over the log interval
         for step in range(start, run.total_steps):
             if guard is not None and guard.should_stop:
                 save(step, force=True)
@@ -78,13 +81,16 @@ def run_stage(
                     ckpt.wait()
                 raise Preempted(f"{run.name}: stopped at step {step}, checkpoint saved")
             state, metrics = run.step_fn(state, run.put(next(run.batches)))
+            summed = metrics if summed is None else jax.tree.map(jnp.add, summed, metrics)
+            count += 1
             steps_since += 1
             done = step + 1
             if done == start + 1:
                 bar.restart_clock()  # the first step compiled
                 t_last, steps_since = time.perf_counter(), 0
             if done % run.log_every == 0 or done == run.total_steps or done == start + 1:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                m = {k: float(v) / count for k, v in jax.device_get(summed).items()}
+                summed, count = None, 0
                 now = time.perf_counter()
                 if steps_since:
                     m["tokens_per_s"] = steps_since * run.tokens_per_step / (now - t_last)

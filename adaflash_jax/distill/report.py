@@ -91,7 +91,9 @@ def plot_losses(path: str, scalars: dict[str, list[tuple[int, float]]]) -> None:
     import matplotlib.pyplot as plt
 
     wanted = ("loss", "ce", "kl_clipped", "head_mse")
-    stages = sorted({t.split("/")[0] for t in scalars if t.split("/")[-1] in wanted})
+    order = {"stage1": 0, "head_init": 1}
+    stages = {t.split("/")[0] for t in scalars if t.split("/")[-1] in wanted}
+    stages = sorted(stages, key=lambda s: (order.get(s, 2), s))
     if not stages:
         return
     fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.6), squeeze=False)
