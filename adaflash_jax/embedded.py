@@ -1,8 +1,9 @@
 """The embedded default target: built once (corpus -> tokenizer -> pretrain -> HF dir), cached.
 
 Cache location: `cache_dir` argument, else $ADAFLASH_CACHE, else ~/.cache/adaflash_jax.
-The directory name holds the preset, CORPUS_VERSION and the Python minor version (the corpus
-is read from the running interpreter's standard library, which differs between versions).
+The directory name holds the preset, CORPUS_VERSION, the Python minor version (the corpus
+is read from the running interpreter's standard library, which differs between versions)
+and a hash of the preset's full config, so retuning a preset never reuses a stale build.
 A `COMPLETE` marker is written LAST; a directory without it is an interrupted build, which
 the next call resumes from its orbax checkpoint (the result is the same as an uninterrupted
 build). A file lock keeps concurrent callers from building the same target twice.
@@ -11,8 +12,10 @@ build). A file lock keeps concurrent callers from building the same target twice
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -32,9 +35,14 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
 
 
 def target_dir_name(preset: str, steps: int | None = None) -> str:
+    """target-<preset>-<corpus version>-py<XY>-<hash of the preset's full config>[-steps<N>]."""
+    from adaflash_jax.train.presets import get_preset
+
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    blob = json.dumps(dataclasses.asdict(get_preset(preset)), sort_keys=True, default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:8]
     suffix = f"-steps{steps}" if steps is not None else ""
-    return f"target-{preset}-{CORPUS_VERSION}-{py}{suffix}"
+    return f"target-{preset}-{CORPUS_VERSION}-{py}-{digest}{suffix}"
 
 
 def is_complete(path: str | os.PathLike) -> bool:
