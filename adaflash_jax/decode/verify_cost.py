@@ -8,7 +8,7 @@ current device (`calibrate`: the jitted target verify at each (rows, width) and 
 block forward at each row count, over caches of the engine's capacity — attention reads the
 whole fixed-size cache, masked, so the capacity, not the filled length, sets the cost), cached
 as JSON under
-`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE_DIR) keyed by
+`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE) keyed by
 device kind, model shapes and slot count, or loaded from any JSON file in the same format.
 """
 
@@ -101,7 +101,7 @@ class VerifyCostTable:
 
 # ---- calibration -----------------------------------------------------------------------------
 def default_cache_dir() -> str:
-    base = os.environ.get("ADAFLASH_CACHE_DIR") or os.path.join(
+    base = os.environ.get("ADAFLASH_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "adaflash_jax"
     )
     return os.path.join(base, "verify_cost")
