@@ -108,6 +108,7 @@ def replay(
     span: int,
     batch_size: int = 16,
     desc: str = "replay",
+    progress: bool = True,
 ) -> list[Trajectory]:
     """Greedy speculative-decoding trajectories of every sequence of `data` (see module doc).
 
@@ -120,7 +121,9 @@ def replay(
     t_graph, t_params = target_split
     trajectories = []
     starts = range(0, len(data), batch_size)
-    for lo in tqdm(starts, desc=desc, disable=jax.process_index() != 0, leave=False):
+    for lo in tqdm(
+        starts, desc=desc, disable=not progress or jax.process_index() != 0, leave=False
+    ):
         idx = np.arange(lo, min(lo + batch_size, len(data)))
         pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])  # fixed shape
         tokens, mask = data.tokens[pad], data.loss_mask[pad]

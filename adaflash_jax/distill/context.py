@@ -39,6 +39,7 @@ class Context:
     pad_id: int
     train_prompts: list[P.Prompt]
     eval_prompts: list[P.Prompt]
+    progress: bool = True  # progress bars (process 0 only)
 
     @property
     def is_main(self) -> bool:
@@ -161,4 +162,5 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         pad_id=int(pad),
         train_prompts=train,
         eval_prompts=evals,
+        progress=progress,
     )

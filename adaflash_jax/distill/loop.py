@@ -36,6 +36,7 @@ class StageRun:
     tokens_per_step: int
     log_every: int = 10
     writer: object | None = None  # ScalarWriter
+    progress: bool = True
     on_step: Callable[[int], None] | None = None  # test hook: called after each step
 
 
@@ -70,7 +71,11 @@ def run_stage(
             ckpt.save(step, checkpointable(state), data, force=force)
 
     with Progress(
-        total=run.total_steps, initial=start, tokens_per_step=run.tokens_per_step, desc=run.name
+        total=run.total_steps,
+        initial=start,
+        tokens_per_step=run.tokens_per_step,
+        desc=run.name,
+        enabled=run.progress and jax.process_index() == 0,
     ) as bar:
         t_last, steps_since = time.perf_counter(), 0
         summed, count = None, 0  # metrics summed on device over the log interval

@@ -72,6 +72,7 @@ def _datasets(ctx: Context, target_split):
             batch_size=cfg.data.regen_batch,
             eos_ids=ctx.eos_ids,
             pad_id=ctx.pad_id,
+            progress=ctx.progress,
         )
         out.append((data, ids))
     return out[0][0], out[1][0], out[0][1], out[1][1]

@@ -107,6 +107,7 @@ class Trainer:
             tokens_per_step=self.cfg.batch_size * self.cfg.seq_len,
             log_every=self.cfg.log_every,
             writer=self.writer,
+            progress=self.ctx.progress,
         )
         try:
             state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, data_extra=data_extra)
@@ -219,6 +220,7 @@ class Trainer:
                 span=self.cfg.data.max_new_tokens,
                 batch_size=REPLAY_BATCH,
                 desc=f"collect {method} round {r}",
+                progress=self.ctx.progress,
             )
         else:
             sub, trajs = self.engine_rollouts(params, [pool_prompts[i] for i in rows], pool, rows)
@@ -271,6 +273,7 @@ def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[s
             span=cfg.data.max_new_tokens,
             batch_size=REPLAY_BATCH,
             desc="evaluate",
+            progress=trainer.ctx.progress,
         )
         return collect.tau_by_domain(data, trajs)
     rows = np.arange(len(data))
