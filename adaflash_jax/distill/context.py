@@ -39,7 +39,7 @@ class Context:
     pad_id: int
     train_prompts: list[P.Prompt]
     eval_prompts: list[P.Prompt]
-    progress: bool = True  # progress bars (process 0 only)
+    progress: bool = True  # training/collection progress bars (process 0 only)
 
     @property
     def is_main(self) -> bool:
@@ -120,6 +120,7 @@ def _prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
 
 
 def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> Context:
+    """`progress` here covers building the embedded target; `Context.progress` the rest."""
     mesh_shape = cfg.resolve_mesh(jax.device_count())  # before anything is built
     if cfg.draft.init_from is not None and not os.path.isdir(cfg.draft.init_from):
         raise ConfigError(f"draft.init_from {cfg.draft.init_from} is not a directory")
@@ -162,5 +163,4 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         pad_id=int(pad),
         train_prompts=train,
         eval_prompts=evals,
-        progress=progress,
     )

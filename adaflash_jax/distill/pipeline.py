@@ -92,7 +92,7 @@ def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) ->
     maybe_initialize_distributed()
     t0 = time.perf_counter()
     ctx = prepare(cfg, run_dir=run_dir, progress=progress)
-    return run_prepared(ctx, t0=t0)
+    return run_prepared(dataclasses.replace(ctx, progress=progress), t0=t0)
 
 
 def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
