@@ -19,6 +19,10 @@ stage-2 computation; they are left out to keep the check's compile time down.
 Process 0 writes `<run-dir>/result.json` (losses per step, collected τ, export path); every
 process writes `<run-dir>/process<I>.json` (checksums of the rows it fed in its first batch).
 With `--num-processes 1` (or `run()` called in-process) it is the single-process reference.
+
+`--pipeline CONFIG` instead runs the whole `python -m experiments.distill --config CONFIG`
+(regenerate, stage 1, head init, stage-2 methods, τ evaluation, exports, report) in this
+process of the group; the opt-in `ADAFLASH_MULTIHOST_PIPELINE=1` test uses it.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
     from adaflash_jax.sharding.rules import TRAIN_RULES
     from adaflash_jax.train.tensorboard import ScalarWriter, read_scalars
 
-    ctx = prepare(micro_config(target_dir, prompts, run_dir), progress=False)
+    ctx = prepare(micro_config(target_dir, prompts, run_dir), progress=True)  # bars: process 0
     mesh = ctx.mesh()
     data = micro_data(ctx.target_cfg.vocab_size, ctx.pad_id)
 
@@ -169,15 +173,25 @@ def configure(local_devices: int, process_id: int, num_processes: int, port: int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--prompts", required=True)
+    p.add_argument("--target", help="HF target directory (train-step check)")
+    p.add_argument("--prompts", help="prompt JSONL (train-step check)")
+    p.add_argument("--pipeline", metavar="CONFIG", help="run the whole distill CLI instead")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--local-devices", type=int, default=8)
     args = p.parse_args(argv)
+    if args.pipeline is None and not (args.target and args.prompts):
+        p.error("pass --target and --prompts, or --pipeline CONFIG")
     configure(args.local_devices, args.process_id, args.num_processes, args.port)
+    if args.pipeline is not None:
+        from experiments import distill
+
+        argv = ["--config", args.pipeline, "--run-dir", args.run_dir, "--no-progress"]
+        rc = distill.main(argv)  # jax.distributed is up already: its own init is a no-op
+        print(f"process {args.process_id}: exit {rc}", flush=True)
+        return rc
     result = run(args.target, args.prompts, args.run_dir)
     with open(os.path.join(args.run_dir, f"process{args.process_id}.json"), "w") as f:
         json.dump({"first_rows": result["first_rows"]}, f)
