@@ -125,6 +125,8 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
     d_graph, params = fresh_drafter(ctx.drafter_cfg, mesh=mesh, rules=TRAIN_RULES, seed=0)
     with ScalarWriter(ctx.path("tb")) as writer:
         first = trainer(writer, StopAfter(STOP_AT))
+        # The rows this process feeds, from the trainer's own iterator factory (which passes
+        # jax.process_index()/process_count()); stage 2 builds its iterators the same way.
         batch = next(iter(first._iterator(data, ctx.cfg.seed, on_policy=False)))
         try:
             first.stage2("adaflash", params, data, None)
