@@ -41,6 +41,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
     p.add_argument("--buckets", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--requests-per-slot", type=float, default=1.0, help="requests >= this x c")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: by backend")
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -90,8 +91,14 @@ def main(argv=None) -> int:
             adaflash_threshold=a.adaflash_threshold,
             goodput_estimator=a.goodput_estimator,
             repeats=a.repeats,
+            requests_per_slot=a.requests_per_slot,
         )
         methods = [tb.parse_method(m) for m in a.methods.split(",") if m.strip()]
+        wanted = {m.drafter for m in methods if m.drafter is not None}
+        missing = sorted(wanted - set(src["drafters"]))
+        if missing:
+            raise BenchError(f"methods need drafters {missing}; have {sorted(src['drafters'])}")
+        src["drafters"] = {n: p for n, p in src["drafters"].items() if n in wanted}
         cpu = jax.default_backend() == "cpu"
         dtype = getattr(jnp, a.dtype or ("float32" if cpu else "bfloat16"))
         target, drafters = inputs.load_models(src["target"], src["drafters"], dtype=dtype)
@@ -107,7 +114,10 @@ def main(argv=None) -> int:
         )
         tables = {}
         if a.cost_table:
-            table = VerifyCostTable.load(a.cost_table)
+            try:
+                table = VerifyCostTable.load(a.cost_table)
+            except (ValueError, KeyError, TypeError) as e:
+                raise BenchError(f"--cost-table {a.cost_table}: {e}") from None
             tables = {name: table for name in drafters}
         bench = tb.ThroughputBench(target, drafters, prompts, methods, settings, cost_tables=tables)
 

@@ -24,7 +24,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"Greedy decoding (temperature {s.get('temperature')}), {s.get('max_new_tokens')} new "
         f"tokens per request, prompts cut to their last {s.get('max_prompt_len')} tokens, "
-        f"{meta.get('prompts_per_domain')} prompts per domain cycled to at least c requests; "
+        f"{meta.get('prompts_per_domain')} prompts per domain cycled to at least "
+        f"{s.get('requests_per_slot')}·c requests (column 'running': mean rows in flight); "
         f"cache capacity {meta.get('capacity')}; drafters {meta.get('drafters')}; adaflash "
         f"threshold {s.get('adaflash_threshold')}, goodput estimator "
         f"{s.get('goodput_estimator')}. Best of {s.get('repeats')} timed pass(es) after a "

@@ -110,6 +110,7 @@ class BenchSettings:
     adaflash_threshold: int = 48  # the reference rule acts only above this many running rows
     goodput_estimator: str = "confidence"
     repeats: int = 1
+    requests_per_slot: float = 1.0  # a cell has max(prompts, ceil(this · c)) requests
     temperature: float = 0.0
     seed: int = 0
 
@@ -121,15 +122,21 @@ class BenchSettings:
         for name in ("prompts_per_domain", "max_new_tokens", "max_prompt_len", "repeats"):
             if getattr(self, name) < 1:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.requests_per_slot <= 0:
+            raise BenchError(f"requests_per_slot must be > 0: {self.requests_per_slot}")
         if self.adaflash_threshold < 0:
             raise BenchError(f"adaflash_threshold must be >= 0: {self.adaflash_threshold}")
 
 
-def cell_requests(prompts: Sequence[Sequence[int]], concurrency: int, max_new: int):
-    """The domain's prompts, cycled to at least `concurrency` requests."""
+def cell_requests(
+    prompts: Sequence[Sequence[int]], concurrency: int, max_new: int, per_slot: float = 1.0
+):
+    """The domain's prompts, cycled to at least `per_slot · concurrency` requests. With one
+    per slot they all start together and the batch drains as they finish; more keep the
+    slots full for longer (and cost more prefill programs: one per padded group shape)."""
     if not prompts:
         raise BenchError("a domain has no prompts")
-    n = max(len(prompts), concurrency)
+    n = max(len(prompts), math.ceil(per_slot * concurrency))
     return [(list(prompts[i % len(prompts)]), max_new) for i in range(n)]
 
 
@@ -276,7 +283,12 @@ class ThroughputBench:
     # ---- one cell -------------------------------------------------------------------------
     def measure(self, m: Method, concurrency: int, domain: str) -> tuple[dict, dict | None]:
         engine = self.engine(m, concurrency)
-        requests = cell_requests(self.prompts[domain], concurrency, self.settings.max_new_tokens)
+        requests = cell_requests(
+            self.prompts[domain],
+            concurrency,
+            self.settings.max_new_tokens,
+            self.settings.requests_per_slot,
+        )
         t0 = time.perf_counter()
         engine.generate(requests)
         warmup = time.perf_counter() - t0
