@@ -34,7 +34,9 @@ class Checkpointer:
             raise ValueError(f"save_every must be positive, got {save_every}")
         if keep <= 0:
             raise ValueError(f"keep must be positive, got {keep}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        directory = os.fspath(directory)
+        # Remote run dirs (gs://...) go to orbax untouched; abspath would mangle the scheme.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=save_every,
