@@ -447,16 +447,26 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> None:
-    """At concurrency 1: ideal speedup τ·t_plain / (t_draft + t_verify(W̄)) from the drafter's
-    cost table (t_plain = its width-1 verify; W̄ = mean verify width, interpolated), and the
-    measured ratio to plain as a fraction of it."""
+    """At concurrency 1: ideal speedup τ · t_plain / (t_draft + t_verify(W̄)), with t_plain the
+    measured plain step of the same cell (wall / loop steps, prefill included) and the draft
+    and verify times from the drafter's cost table (W̄ = mean verify width, interpolated);
+    and the measured ratio to plain as a fraction of it. The gap is what the engine spends
+    per step beyond one draft and one verify forward."""
+    plain = {r["domain"]: r for r in rows if r["method"] == "plain" and r["concurrency"] == 1}
     for r in rows:
         table = tables.get(r["method"])
-        if r["concurrency"] != 1 or table is None:
+        if r["concurrency"] != 1 or table is None or r["domain"] not in plain:
             continue
+        p = plain[r["domain"]]
+        t_plain = 1e3 * p["wall_s"] / max(p["loop_steps"], 1)
         col = [table.verify(1, w) for w in table.widths]
         t_verify = float(np.interp(r["mean_verify_width"], table.widths, col))
         t_draft = float(np.interp(1, table.rows, table.draft_ms))
-        ideal = r["tau"] * table.verify(1, 1) / (t_draft + t_verify)
-        r["ideal_speedup"] = ideal
-        r["fraction_of_ideal"] = r["ratio_to_plain"] / ideal
+        ideal = r["tau"] * t_plain / (t_draft + t_verify)
+        r.update(
+            ideal_speedup=ideal,
+            fraction_of_ideal=r["ratio_to_plain"] / ideal,
+            plain_step_ms=t_plain,
+            draft_verify_ms=t_draft + t_verify,
+            step_ms_measured=1e3 * r["wall_s"] / max(r["loop_steps"], 1),
+        )
