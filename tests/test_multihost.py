@@ -236,12 +236,6 @@ def test_whole_distill_pipeline_two_processes(world):
     assert printed == [True, False]  # the report table: process 0 only
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adaflash_jax/train/checkpointing.py Checkpointer.__init__ runs os.path.abspath on "
-    "the directory, turning gs://BUCKET/... into <cwd>/gs:/BUCKET/... (a local directory): "
-    "multi-host checkpoints under a gs:// run dir never reach the bucket",
-)
 def test_checkpointer_keeps_gs_paths(monkeypatch):
     """Orbax must receive the gs:// URL unchanged (no bucket is contacted here)."""
     from adaflash_jax.train import checkpointing
