@@ -15,11 +15,24 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from adaflash_jax.distill.state import checkpointable
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
 from adaflash_jax.train.progress import Progress
 from adaflash_jax.train.state import TrainState
+
+
+def _stop_requested(guard: PreemptionGuard | None) -> bool:
+    """Whether ANY process got a stop request. Hosts may see SIGTERM at different steps; if
+    one entered the checkpoint barrier while the others ran the next step's collectives, the
+    pod would hang, so multi-process runs agree on the flag before acting on it."""
+    flag = guard is not None and guard.should_stop
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 class Preempted(RuntimeError):
@@ -80,7 +93,7 @@ def run_stage(
         t_last, steps_since = time.perf_counter(), 0
         summed, count = None, 0  # metrics summed on device over the log interval
         for step in range(start, run.total_steps):
-            if guard is not None and guard.should_stop:
+            if _stop_requested(guard):
                 save(step, force=True)
                 if ckpt is not None:
                     ckpt.wait()

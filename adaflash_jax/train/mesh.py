@@ -83,6 +83,15 @@ def maybe_initialize_distributed(force: bool | None = None) -> bool:
         return False
     if jax.distributed.is_initialized():
         return False
-    jax.distributed.initialize()
+    # jax reads the coordinator from the environment but not the process count or id;
+    # local multi-process launches pass them as JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+    kwargs = {}
+    if os.environ.get("JAX_NUM_PROCESSES") and os.environ.get("JAX_PROCESS_ID"):
+        kwargs = dict(
+            coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
     return True
