@@ -63,10 +63,12 @@ else
   SHAPE_ARGS=(--shape qwen3-8b --batches 1,128 --widths 1,4,16 --context 1024 --iters 5
     --draft-layers 5 --block-size 16)
   UNTRAINED=(--layers 3 --block-size 16)
-  B_PRETRAIN=${B_PRETRAIN:-90} B_DISTILL=${B_DISTILL:-110} B_BENCH=${B_BENCH:-150}
-  B_SHAPE=${B_SHAPE:-95}
+  # ~465 s in all: each part's programs compile once (a 12-layer verify switch, the 8B shape
+  # ~10 s per cell); the benchmark gets the most, its highest concurrency runs first.
+  B_PRETRAIN=${B_PRETRAIN:-80} B_DISTILL=${B_DISTILL:-100} B_BENCH=${B_BENCH:-180}
+  B_SHAPE=${B_SHAPE:-90}
 fi
-SETS=(--set "stage2.rounds=1" --set "stage2.methods=('adaflash',)")
+SETS=(--set "stage2.rounds=${STAGE2_ROUNDS:-1}" --set "stage2.methods=('adaflash',)")
 for kv in "${DISTILL_SETS[@]}"; do SETS+=(--set "$kv"); done
 
 log "device check: SMOKE=${SMOKE:-0} OUT=$OUT WORK=$WORK"

@@ -203,6 +203,9 @@ class ThroughputBench:
                 raise BenchError(
                     f"method {m.label} needs drafter {m.drafter!r}; have {sorted(drafters)}"
                 )
+            head = m.drafter is not None and drafters[m.drafter].length_head is not None
+            if m.policy == "adaflash" and not head:
+                raise BenchError(f"method {m.label}: drafter {m.drafter!r} has no length head")
         cut = settings.max_prompt_len
         self.prompts = {d: [list(p[-cut:]) for p in ps] for d, ps in prompts.items()}
         if not self.prompts or any(not ps for ps in self.prompts.values()):
@@ -231,7 +234,7 @@ class ThroughputBench:
             drafter = self.drafters[name]
             same = [
                 n
-                for n, t in self.cost_tables.items()
+                for n in self.cost_tables
                 if n in self.drafters and self.drafters[n].config == drafter.config
             ]
             if same:
