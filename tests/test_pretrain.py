@@ -144,8 +144,10 @@ def test_sharded_step_equals_single_device_step():
         results.append((float(metrics["loss"]), jax.device_get(state.params), state))
     (loss1, p1, _), (loss8, p8, s8) = results
     assert loss1 == pytest.approx(loss8, abs=1e-5)
+    # Adam normalises each update, so a weight whose gradient is ~0 can move by up to the
+    # step's lr in either direction on float noise alone; compare at well below that.
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
-        np.testing.assert_allclose(a, b, atol=2e-5)
+        np.testing.assert_allclose(a, b, atol=1e-4)
     gate = s8.params["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
     assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert set(BATCH_KEYS) == set(batch)
