@@ -8,10 +8,10 @@ the run directory keeps the drafter's HF config (`drafter_config.json`), and the
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from adaflash_jax.distill import fs
@@ -46,7 +46,7 @@ def save_drafter_config(cfg: DrafterConfig, run_dir: str) -> None:
 
 
 def latest_step(ckpt_dir: str) -> int:
-    steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
+    steps = [int(p.name) for p in epath.Path(ckpt_dir).iterdir() if p.name.isdigit()]
     if not steps:
         raise FileNotFoundError(f"no checkpoint steps in {ckpt_dir}")
     return max(steps)
@@ -68,13 +68,12 @@ def export_checkpoint(ckpt_dir: str, out: str, *, run_dir: str | None = None, st
     """A stage checkpoint directory (`<run>/ckpt/<stage>`) → HF export at `out`."""
     import orbax.checkpoint as ocp
 
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    run_dir = run_dir or os.path.dirname(os.path.dirname(ckpt_dir))
-    cfg_path = os.path.join(run_dir, DRAFTER_CONFIG)
-    if not os.path.isfile(cfg_path):
+    ckpt_dir = fs.absolute(ckpt_dir).rstrip("/")  # local or gs://
+    run_dir = run_dir or ckpt_dir.rsplit("/", 2)[0]
+    cfg_path = f"{run_dir}/{DRAFTER_CONFIG}"
+    if not fs.exists(cfg_path):
         raise FileNotFoundError(f"{cfg_path} not found: pass run_dir= the run directory")
-    with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f))
+    cfg = config_from_hf(json.loads(fs.read_text(cfg_path)))
     step = latest_step(ckpt_dir) if step is None else int(step)
     with ocp.CheckpointManager(ckpt_dir) as mgr:
         restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
