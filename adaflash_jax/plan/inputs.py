@@ -19,57 +19,27 @@ import of the training code. The fields it looks for (all optional except as not
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from adaflash_jax.bench.shapes import shape_config
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
 
 
-def qwen3_1_7b() -> TargetConfig:
-    return TargetConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    )
-
-
 def qwen3_8b() -> TargetConfig:
-    return TargetConfig(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-    )
+    return shape_config("qwen3-8b")
 
 
-def qwen3_32b() -> TargetConfig:
-    return TargetConfig(
-        vocab_size=151936,
-        hidden_size=5120,
-        intermediate_size=25600,
-        num_hidden_layers=64,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-    )
-
-
-TARGET_PRESETS = {"qwen3-1.7b": qwen3_1_7b, "qwen3-8b": qwen3_8b, "qwen3-32b": qwen3_32b}
+# The named shapes live in one table (adaflash_jax.bench.shapes); the planner plans the
+# full-size ones.
+TARGET_PRESETS = {
+    name: functools.partial(shape_config, name) for name in ("qwen3-1.7b", "qwen3-8b", "qwen3-32b")
+}
 
 
 def target_preset(name: str) -> TargetConfig:
