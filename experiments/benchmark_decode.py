@@ -29,27 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.bench.shapes import shape_config
 from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
 
-SHAPES: dict[str, Callable[[], TargetConfig]] = {
-    "tiny": lambda: TargetConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
-}
+# Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`.
+CPU_SHAPES = ("tiny",)
 
 
 def build_random_target(shape: str, *, dtype=jnp.float32, seed: int = 0) -> TargetLM:
-    if shape not in SHAPES:
-        raise SystemExit(f"unknown --config {shape!r}; choose from {sorted(SHAPES)}")
-    return TargetLM(SHAPES[shape](), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+    if shape not in CPU_SHAPES:
+        raise SystemExit(f"unknown --config {shape!r}; choose from {list(CPU_SHAPES)}")
+    return TargetLM(shape_config(shape), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
 
 
 def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -105,7 +97,7 @@ def print_table(rows: list[dict]) -> None:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--config", default="tiny", choices=CPU_SHAPES)
     p.add_argument("--batch", type=int, action="append", help="repeatable (default: 1 and 8)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.bench.forward_timing import make_verify_fn, time_forward
+from adaflash_jax.bench.forward_timing import make_verify_fn, random_state, time_forward
 from adaflash_jax.bench.shapes import weight_bytes
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
@@ -62,13 +62,7 @@ def random_drafter(target_cfg, *, layers: int, block_size: int, dtype=jnp.bfloat
     abstract = nnx.eval_shape(
         lambda: Drafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
     )
-    graphdef, abstract_state = nnx.split(abstract)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract_state))))
-    state = jax.tree.map(
-        lambda s: (0.02 * jax.random.normal(next(keys), s.shape, jnp.float32)).astype(s.dtype),
-        abstract_state,
-    )
-    return graphdef, state
+    return random_state(abstract, seed)
 
 
 def draft_times(
