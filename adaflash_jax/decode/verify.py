@@ -11,8 +11,8 @@ tokens attend to the committed entries (positions < lengths) and causally to eac
 a two-part softmax (no concatenation, which would copy too); the engine then writes the new
 keys/values with one in-place scatter outside the switch.
 
-The math mirrors `TargetLM.__call__` (same submodules; keys/values pass through the cache
-dtype as they would when written first); tests compare the two.
+The math mirrors `TargetLM.__call__` (the same submodules and q/k/v projections; keys/values
+pass through the cache dtype as they would when written first); tests compare the two.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from adaflash_jax.model.kv_cache import KVCache, write_rows
 from adaflash_jax.model.layers import NEG_INF
-from adaflash_jax.model.rope import apply_rope, inverse_frequencies
 
 
 def attend_cache_and_new(q_BxWxHxDh, cache_k, cache_v, lengths_B, new_k_BxWxKvxDh, new_v):
@@ -65,21 +64,15 @@ def verify_forward(target, tokens_BxW, cache: KVCache, feature_layers: Sequence[
     for i, layer in enumerate(target.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).reshape(b, w, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(h).reshape(b, w, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(h).reshape(b, w, attn.num_kv_heads, attn.head_dim)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        inv_freq = inverse_frequencies(*attn.rope)
-        q = apply_rope(q, positions_BxW, inv_freq)
-        k = apply_rope(k, positions_BxW, inv_freq)
+        q = attn.queries(h, positions_BxW)
+        k, v = attn.keys_values(h, positions_BxW)
         k, v = k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype)
         new_k.append(k)
         new_v.append(v)
         out = attend_cache_and_new(
             q, cache.k[i], cache.v[i], cache.lengths, k.astype(q.dtype), v.astype(q.dtype)
         )
-        x = x + attn.o_proj(out.reshape(b, w, -1))
+        x = x + attn.output(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in feature_layers:
             features[i] = x

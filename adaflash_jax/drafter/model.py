@@ -19,8 +19,7 @@ from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.model.kv_cache import KVCache, write_rows
-from adaflash_jax.model.layers import Dense, RMSNorm, SwiGLU, attend
-from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU, attend
 
 
 @struct.dataclass
@@ -29,40 +28,30 @@ class DraftOutput:
     logits_BxKm1xV: jax.Array  # predictions for block positions 1..K-1
 
 
-class DrafterAttention(nnx.Module):
+class DrafterAttention(AttentionProjections):
+    """Queries from the block only; keys/values are [context ; block], each projected with
+    this layer's own k/v (the context's were projected once, when it was committed)."""
+
     def __init__(self, cfg: DrafterConfig, *, rngs, dtype, param_dtype):
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        d, h, kv, dh = (
+        super().__init__(
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            qk_norm=True,
+            rope=(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dh
-        self.q_proj = Dense(d, h * dh, logical_axes=("embed", "q_heads"), **kw)
-        self.k_proj = Dense(d, kv * dh, logical_axes=("embed", "kv_heads"), **kw)
-        self.v_proj = Dense(d, kv * dh, logical_axes=("embed", "kv_heads"), **kw)
-        self.o_proj = Dense(h * dh, d, logical_axes=("q_heads", "embed"), **kw)
-        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.q_norm = RMSNorm(dh, **norm_kw)
-        self.k_norm = RMSNorm(dh, **norm_kw)
-        self.rope = (dh, cfg.rope_theta, cfg.rope_scaling)
-
-    def keys_values(self, x_BxTxD, positions_BxT):
-        """Normed, rotated keys and values of any token stream (context or block)."""
-        b, t, _ = x_BxTxD.shape
-        k = self.k_norm(self.k_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, positions_BxT, inverse_frequencies(*self.rope)), v
 
     def __call__(self, x_BxTxD, positions_BxT, ctx_k, ctx_v, mask_BxTx_CT):
-        b, t, _ = x_BxTxD.shape
-        q = self.q_norm(self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim))
-        q = apply_rope(q, positions_BxT, inverse_frequencies(*self.rope))
+        q = self.queries(x_BxTxD, positions_BxT)
         blk_k, blk_v = self.keys_values(x_BxTxD, positions_BxT)
         k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=1)
         v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=1)
-        return self.o_proj(attend(q, k, v, mask_BxTx_CT).reshape(b, t, -1))
+        return self.output(attend(q, k, v, mask_BxTx_CT))
 
 
 class DrafterLayer(nnx.Module):

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+
 NEG_INF = -1e30  # finite, so a fully masked (padding) query row stays NaN-free
 
 
@@ -88,3 +90,56 @@ def attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
     probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxDh.dtype)
     out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh)
     return out_BxTxKxGxDh.reshape(b, t, h, dh)
+
+
+class AttentionProjections(nnx.Module):
+    """The q/k/v/o projections, optional per-head q/k RMSNorm and RoPE of one attention layer.
+
+    Shared by the target's attention, its cache-reading verify path and the drafter's
+    KV-injected attention, so the three compute queries, keys and values the same way.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        eps: float,
+        qk_norm: bool,
+        rope: tuple,  # (head_dim, theta, RopeScaling | None): static, frequencies built at trace
+        rngs: nnx.Rngs,
+        dtype,
+        param_dtype,
+    ):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = Dense(dim, num_heads * head_dim, logical_axes=("embed", "q_heads"), **kw)
+        self.k_proj = Dense(dim, num_kv_heads * head_dim, logical_axes=("embed", "kv_heads"), **kw)
+        self.v_proj = Dense(dim, num_kv_heads * head_dim, logical_axes=("embed", "kv_heads"), **kw)
+        self.o_proj = Dense(num_heads * head_dim, dim, logical_axes=("q_heads", "embed"), **kw)
+        norm_kw = dict(eps=eps, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
+        self.rope = rope
+
+    def queries(self, x_BxTxD, positions_BxT):
+        b, t, _ = x_BxTxD.shape
+        q = self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, positions_BxT, inverse_frequencies(*self.rope))
+
+    def keys_values(self, x_BxTxD, positions_BxT):
+        """Normed, rotated keys and values of any token stream."""
+        b, t, _ = x_BxTxD.shape
+        k = self.k_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, positions_BxT, inverse_frequencies(*self.rope)), v
+
+    def output(self, attended_BxTxHxDh):
+        b, t = attended_BxTxHxDh.shape[:2]
+        return self.o_proj(attended_BxTxHxDh.reshape(b, t, -1))

@@ -19,8 +19,14 @@ from flax import nnx, struct
 
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.kv_cache import KVCache, write_rows
-from adaflash_jax.model.layers import Dense, RMSNorm, SwiGLU, attend, normal_init
-from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+from adaflash_jax.model.layers import (
+    AttentionProjections,
+    Dense,
+    RMSNorm,
+    SwiGLU,
+    attend,
+    normal_init,
+)
 
 
 @struct.dataclass
@@ -31,35 +37,24 @@ class TargetOutput:
     cache: KVCache | None
 
 
-class Attention(nnx.Module):
+class Attention(AttentionProjections):
     def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        d, h, k, dh = (
+        super().__init__(
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            qk_norm=cfg.qk_norm,
+            rope=(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
-        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
-        self.q_proj = Dense(d, h * dh, logical_axes=("embed", "q_heads"), **kw)
-        self.k_proj = Dense(d, k * dh, logical_axes=("embed", "kv_heads"), **kw)
-        self.v_proj = Dense(d, k * dh, logical_axes=("embed", "kv_heads"), **kw)
-        self.o_proj = Dense(h * dh, d, logical_axes=("q_heads", "embed"), **kw)
-        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.q_norm = RMSNorm(dh, **norm_kw) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(dh, **norm_kw) if cfg.qk_norm else None
-        self.rope = (dh, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies built at trace
 
     def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, kv_cache=None):
-        b, t, _ = x_BxTxD.shape
-        q = self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = inverse_frequencies(*self.rope)
-        q = apply_rope(q, positions_BxT, inv_freq)
-        k = apply_rope(k, positions_BxT, inv_freq)
+        q = self.queries(x_BxTxD, positions_BxT)
+        k, v = self.keys_values(x_BxTxD, positions_BxT)
         if kv_cache is not None:
             k_all, v_all = (
                 write_rows(kv_cache[0], k, positions_BxT),
@@ -70,7 +65,7 @@ class Attention(nnx.Module):
         else:
             out = attend(q, k, v, mask_BxTxS)
             new_cache = None
-        return self.o_proj(out.reshape(b, t, -1)), new_cache
+        return self.output(out), new_cache
 
 
 class DecoderLayer(nnx.Module):
