@@ -221,3 +221,42 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
     )
     assert engine.policy == GoodputPolicy(cost=table, estimator="length_head")
     assert engine.spec.use_length_head
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_goodput_speculates_only_when_drafting_pays(seed):
+    """`speculate` against a brute-force comparison: the best drafted rate (Σ E[committed] /
+    (draft + verify)) versus a plain step (n rows / verify at width 1)."""
+    rng = np.random.default_rng(seed)
+    policy = GoodputPolicy(cost=TABLE, estimator="head", probe_every=3)
+    decide = jax.jit(functools.partial(policy.speculate, buckets=BUCKETS))
+    outcomes = set()
+    for case in range(12):
+        b = int(rng.integers(1, 17))
+        scale = (0.9, 0.5, 0.2)[case % 3]  # confident, middling and poor drafters
+        accept = np.clip(scale + rng.normal(0, 0.1, size=(b, K - 1)), 0, 1)
+        active = rng.random(b) < 0.9
+        active[0] = True
+        n = int(active.sum())
+        best = max(
+            sum(1.0 + sum(np.prod(a[:i]) for i in range(1, w)) for a in accept[active])
+            / (TABLE.verify(n, w) + float(np.interp(n, TABLE.rows, TABLE.draft_ms)))
+            for w in BUCKETS
+        )
+        want = best > n / TABLE.verify(n, 1)
+        got = bool(decide(jnp.asarray(accept, jnp.float32), jnp.asarray(active), jnp.int32(0)))
+        assert got == want
+        outcomes.add(got)
+        # a probe is forced after `probe_every` undrafted steps, whatever the estimates
+        assert bool(decide(jnp.asarray(accept, jnp.float32), jnp.asarray(active), jnp.int32(3)))
+    assert outcomes == {True, False}, "the random cases should exercise both decisions"
+
+
+def test_skip_arm_needs_the_width_1_bucket():
+    with pytest.raises(PolicyError, match="width 1"):
+        GoodputPolicy(cost=TABLE).validate(buckets=(2, 4, 8), slots=2, has_length_head=True)
+    GoodputPolicy(cost=TABLE, skip_draft=False).validate(
+        buckets=(2, 4, 8), slots=2, has_length_head=True
+    )
+    with pytest.raises(PolicyError, match="probe_every"):
+        GoodputPolicy(cost=TABLE, probe_every=0)

@@ -156,8 +156,9 @@ def _check_stats(results, engine):
     for r in results:
         assert r.steps == len(r.accepted) == len(r.widths) == len(r.requested_widths)
         assert set(r.widths) <= set(engine.buckets)
-        assert all(1 <= q <= w for q, w in zip(r.requested_widths, r.widths))
-        assert all(0 <= a < q for a, q in zip(r.accepted, r.requested_widths))
+        # requested 0 = an undrafted (plain) step: width 1, nothing to accept
+        assert all(1 <= q <= w or q == 0 == w - 1 for q, w in zip(r.requested_widths, r.widths))
+        assert all(0 <= a < max(q, 1) for a, q in zip(r.accepted, r.requested_widths))
         # every step commits accepted+1 tokens (the last one may be cut by EOS / max-new)
         committed = sum(a + 1 for a in r.accepted)
         assert committed >= len(r.output_ids) - 1 > committed - engine.block_size
@@ -263,12 +264,59 @@ def test_requests_are_validated_before_compute(target, drafter):
         SpeculativeEngine(target, no_head, slots=2, capacity=CAPACITY, policy="adaflash")
     table = VerifyCostTable(rows=(1,), widths=(4,), verify_ms=((1.0,),), draft_ms=(0.1,))
     with pytest.raises(EngineError, match="accept_probs"):
-        head_policy = GoodputPolicy(cost=table, estimator="head")
+        head_policy = GoodputPolicy(cost=table, estimator="head", skip_draft=False)
         SpeculativeEngine(
             target, drafter, slots=2, capacity=CAPACITY, buckets=(4,), policy=head_policy
+        )
+    with pytest.raises(EngineError, match="width 1"):
+        skipping = GoodputPolicy(cost=table)
+        SpeculativeEngine(
+            target, drafter, slots=2, capacity=CAPACITY, buckets=(4,), policy=skipping
         )
     other = TargetLM(dataclasses.replace(CFG, num_hidden_layers=1), rngs=nnx.Rngs(3))
     with pytest.raises(ConfigError, match="layer"):
         SpeculativeEngine(other, drafter, slots=2, capacity=CAPACITY)
     assert sp.bucket_set((1, 2, 4, 8, 16), 10) == (1, 2, 4, 8, 10)
     assert sp.bucket_set((1, 2, 4, 8, 16), 4) == (1, 2, 4)
+
+
+# ---- goodput's "don't speculate" arm ------------------------------------------------------------
+def _skip_table(draft_ms):
+    return VerifyCostTable(
+        rows=(1, 8),
+        widths=(1, 2, 4),
+        verify_ms=((1.0, 1.1, 1.2), (1.0, 1.1, 1.2)),
+        draft_ms=(draft_ms, draft_ms),
+    )
+
+
+@pytest.mark.parametrize(
+    "draft_ms,probe_every,expect",
+    [(0.01, 8, "drafted"), (100.0, 1000, "undrafted"), (100.0, 2, "mixed")],
+)
+def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
+    target, bigram, reference, draft_ms, probe_every, expect
+):
+    """Cheap drafts: every step drafts. Drafting costs 100 plain steps: every step is plain
+    (requested 0, width 1) and the output is still plain greedy's. With a probe every 2
+    undrafted steps, drafted and undrafted steps interleave in one program: no recompiles."""
+    drafter = TableDrafter(_drafter_cfg(4), bigram)
+    policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=probe_every)
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy
+    )
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    _check_stats(results, engine)
+    requested = [q for r in results for q in r.requested_widths]
+    undrafted = [q == 0 for q in requested]
+    if expect == "drafted":
+        assert not any(undrafted) and np.mean([r.tau for r in results]) > 1.5
+    elif expect == "undrafted":
+        assert all(undrafted) and all(set(r.widths) == {1} for r in results)
+    else:
+        assert 0.2 < np.mean(undrafted) < 0.8, requested
+        warm = sp.compiled_programs()
+        again = engine.generate(_requests())
+        assert [r.output_ids for r in again] == reference["plain"]
+        assert sp.compiled_programs() == warm

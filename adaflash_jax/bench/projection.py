@@ -73,7 +73,9 @@ def load_acceptance(path: str, *, domain: str | None = None) -> dict[str, Accept
             acc.full_accepted = np.concatenate([acc.full_accepted, flat])
             acc.sources.append(f"{cell['label']} c={cell['concurrency']} {cell['domain']}")
         elif cell["policy"] == "adaflash":
-            requested = [decode_trace(t, offset=1) for t in cell["requested"]]
+            # traces before the skip arm stored requested widths minus 1 (no zeros then)
+            offset = cell.get("requested_offset", 1)
+            requested = [decode_trace(t, offset=offset) for t in cell["requested"]]
             steps = [len(r) for r in accepted]
             running = running_per_step(steps, cell["concurrency"])
             starts, _ = occupancy(steps, cell["concurrency"])
@@ -133,9 +135,13 @@ def project(
             full, tau_full = fixed_tps(cost, b, acc.full_accepted, k)
             add(b, plain, name, "fixed", full, tau_full, k)
             if "goodput" in acc.policies:
+                # the policy's arms: every drafted width, or an undrafted (plain) step
                 options = [(fixed_tps(cost, b, acc.full_accepted, w), w) for w in acc.buckets]
                 (best, tau_best), w_best = max(options, key=lambda o: (o[0][0], -o[1]))
-                add(b, plain, name, "goodput", best, tau_best, w_best, "best static width")
+                if plain >= best:
+                    add(b, plain, name, "goodput", plain, 1.0, 1, "plain arm (no drafting)")
+                else:
+                    add(b, plain, name, "goodput", best, tau_best, w_best, "best static width")
             if "adaflash" not in acc.policies:
                 continue
             if b <= threshold:

@@ -45,18 +45,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
             elif r["method"] == "plain":
                 cells.append(f"{r['tokens_per_s']:.1f}")
             else:
+                drafted = r.get("draft_fraction", 1.0)
                 cells.append(
                     f"{r['tokens_per_s']:.1f} ({r['ratio_to_plain']:.2f}x) "
                     f"τ {r['tau']:.2f} w {r['mean_verify_width']:.1f}"
+                    + (f" d {drafted:.2f}" if drafted < 1.0 else "")
                 )
         out.append(f"| {label} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "d: fraction of row-steps that ran the drafter (goodput's skip arm runs plain steps "
+        "when drafting does not pay; shown when below 1).",
+    ]
     out += _adaflash_note(rows) + _ideal(rows) + _checks(rows)
     out += [
         "",
         "## Per domain",
         "",
-        "| method | c | domain | tok/s | ratio | τ | width | requested | running | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | c | domain | tok/s | ratio | τ | width | requested | drafted | running "
+        "| requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["domain"] == "all":
@@ -64,7 +72,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         out.append(
             f"| {r['label']} | {r['concurrency']} | {r['domain']} | {r['tokens_per_s']:.1f} | "
             f"{r['ratio_to_plain']:.2f} | {_fmt(r['tau'])} | {_fmt(r['mean_verify_width'])} | "
-            f"{_fmt(r['mean_requested_width'])} | {r['mean_running']:.1f} | {r['requests']} |"
+            f"{_fmt(r['mean_requested_width'])} | {_fmt(r.get('draft_fraction', 1.0))} | "
+            f"{r['mean_running']:.1f} | {r['requests']} |"
         )
     return "\n".join(out) + "\n"
 

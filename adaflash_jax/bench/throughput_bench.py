@@ -321,10 +321,12 @@ class ThroughputBench:
             committed=sum(a + 1 for r in results for a in r.accepted),
             mean_running=float(np.mean(running)) if len(running) else 0.0,
             occupancy_exact=len(running) == loop_steps,
-            cut_fraction=float(np.mean([w < k for w in requested])) if requested else 0.0,
+            cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
             compiles_in_timed_pass=sum(after.values()) - sum(before.values()),
             output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
         )
+        if m.drafter is None:
+            row["draft_fraction"] = 0.0
         if m.policy == "adaflash":
             thr = row["policy_options"]["threshold"]
             row["policy_active_fraction"] = float(np.mean(running > thr)) if len(running) else 0.0
@@ -342,7 +344,8 @@ class ThroughputBench:
             "loop_steps": loop_steps,
             "wall_s": wall,
             "accepted": [encode_trace(r.accepted) for r in results],
-            "requested": [encode_trace(r.requested_widths, offset=1) for r in results],
+            "requested": [encode_trace(r.requested_widths) for r in results],
+            "requested_offset": 0,  # 0 = an undrafted (plain) step
         }
         return row, trace
 
@@ -433,6 +436,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             / steps,
             mean_running=float(np.mean([r["mean_running"] for r in rs])),
             cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
+            draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
             compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
             occupancy_exact=all(r["occupancy_exact"] for r in rs),
             matches_plain=all(r["matches_plain"] for r in rs),
@@ -464,7 +468,8 @@ def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> N
         t_plain = 1e3 * p["wall_s"] / max(p["loop_steps"], 1)
         col = [table.verify(1, w) for w in table.widths]
         t_verify = float(np.interp(r["mean_verify_width"], table.widths, col))
-        t_draft = float(np.interp(1, table.rows, table.draft_ms))
+        # undrafted steps of a skip_draft policy pay no draft
+        t_draft = r.get("draft_fraction", 1.0) * float(np.interp(1, table.rows, table.draft_ms))
         ideal = r["tau"] * t_plain / (t_draft + t_verify)
         r.update(
             ideal_speedup=ideal,

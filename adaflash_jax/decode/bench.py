@@ -9,7 +9,8 @@ Returned dicts (JSON-ready):
     method, policy, slots, requests, tokens (generated), wall_s, tokens_per_s,
     tau (Σ(accepted+1) / Σ steps, all requests), verify_steps (Σ per-request steps),
     loop_steps (device loop iterations), step_ms (wall / loop_steps, prefill included),
-    mean_verify_width (batch width per row-step), mean_requested_width, warmup_s.
+    mean_verify_width (batch width per row-step), mean_requested_width, draft_fraction
+    (row-steps that ran the drafter; 0 for plain decoding), warmup_s.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def summarize(results, *, wall_s: float, loop_steps: int, warmup_s: float = 0.0)
         "step_ms": 1e3 * wall_s / max(loop_steps, 1),
         "mean_verify_width": float(np.mean(widths)) if widths else float("nan"),
         "mean_requested_width": float(np.mean(requested)) if requested else float("nan"),
+        # row-steps that ran the drafter (a skip_draft policy records requested width 0)
+        "draft_fraction": float(np.mean([w > 0 for w in requested])) if requested else 0.0,
         "warmup_s": warmup_s,
     }
 
@@ -99,7 +102,7 @@ def time_plain(
     )
     results, wall, warmup, loop_steps = _timed(engine, list(requests), repeats)
     row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
-    return {"method": "plain", "policy": None, "slots": slots, **row}
+    return {"method": "plain", "policy": None, "slots": slots, **row, "draft_fraction": 0.0}
 
 
 def time_speculative(

@@ -11,6 +11,13 @@ runs the batch at the smallest bucket >= the largest active request.
 Policies are frozen dataclasses: hashable, so the engine passes them to `jax.jit` as static
 arguments and each runs inside the jitted step.
 
+The "don't speculate" arm (goodput with `skip_draft`): before drafting, `speculate` compares
+the best expected rate of a draft + verify step against a plain target step (width 1, no
+drafter forward), using each row's acceptance estimate from its LATEST draft (stale by one or
+more steps; a fresh request starts at 1, and a forced probe every `probe_every` undrafted
+steps refreshes the estimates). That decision depends only on earlier steps, never on this
+step's samples, so it is lossless too; an undrafted step is exactly a plain decoding step.
+
 Acceptance estimators (per-position acceptance probability a_i, i = 1..K−1, of draft i given
 drafts < i were accepted), any of which feeds `goodput`:
 - "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
@@ -20,8 +27,8 @@ drafts < i were accepted), any of which feeds `goodput`:
   and solve Σ_{i=1}^{K−1} a^i = m for a by bisection.
 - "head": a per-position acceptance vector [B, K−1] from any other source, e.g. a future
   length-head output trained against greedy match labels: the engine fills
-  `PolicyInput.head_accept_BxKm1` from `drafter.length_head.accept_probs(hidden_BxKxD)`
-  when the drafter's head has that method.
+  `PolicyInput.head_accept_BxKm1` from `drafter.length_head.accept_probs(hidden_BxKxD,
+  logits_BxKm1xV)` when the drafter's head has that output (`has_accept_output`).
 """
 
 from __future__ import annotations
@@ -143,10 +150,13 @@ class AdaFlashPolicy:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GoodputPolicy:
-    """One batch width per step maximising expected committed tokens per millisecond."""
+    """One batch width per step maximising expected committed tokens per millisecond; with
+    `skip_draft`, also a plain (undrafted) step when drafting is not expected to pay."""
 
     cost: VerifyCostTable
     estimator: str = "confidence"
+    skip_draft: bool = True
+    probe_every: int = 8  # undrafted steps in a row before a draft refreshes the estimates
     name = "goodput"
 
     @property
@@ -160,6 +170,8 @@ class GoodputPolicy:
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise PolicyError(f"unknown estimator {self.estimator!r}; choose from {ESTIMATORS}")
+        if self.probe_every < 1:
+            raise PolicyError(f"probe_every must be >= 1, got {self.probe_every}")
 
     def validate(self, *, buckets, slots, has_length_head):
         missing = [w for w in buckets if w not in self.cost.widths]
@@ -169,12 +181,33 @@ class GoodputPolicy:
             )
         if (self.needs_length_head or self.needs_accept_head) and not has_length_head:
             raise PolicyError(f"goodput with estimator {self.estimator!r} needs a length head")
+        if self.skip_draft and 1 not in buckets:
+            raise PolicyError(
+                f"goodput's undrafted (plain) step verifies width 1, which is not among the "
+                f"buckets {buckets}; add 1 or pass skip_draft=False"
+            )
 
-    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+    def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        """(width_B, acceptance estimate [B, K−1]) of a drafted step."""
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)
         step_ms_NW = self.cost.step_ms(inp.num_running, buckets)
         idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets)
-        return jnp.full(inp.active_B.shape, jnp.asarray(buckets, jnp.int32)[idx], jnp.int32)
+        width_B = jnp.full(inp.active_B.shape, jnp.asarray(buckets, jnp.int32)[idx], jnp.int32)
+        return width_B, a_BxKm1
+
+    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        return self.decide(inp, block_size=block_size, buckets=buckets)[0]
+
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...]):
+        """Whether this step drafts (bool scalar): the best expected committed tokens per ms
+        of draft + verify, from the rows' latest estimates, beats a plain width-1 step —
+        or `probe_every` undrafted steps ran in a row."""
+        num_running = jnp.sum(active_B.astype(jnp.int32))
+        gain_BxNW = expected_committed(accept_BxKm1, buckets)
+        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+        drafted_rate = jnp.max(total_NW / self.cost.step_ms(num_running, buckets))
+        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
+        return (drafted_rate > plain_rate) | (undrafted >= self.probe_every)
 
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")

@@ -38,7 +38,8 @@ class Result:
     output_ids: list[int]  # generated tokens, ending at (and including) an EOS if one came
     accepted: list[int]  # accepted drafts per verify step
     widths: list[int]  # batch verify width (bucket the target ran) per step
-    requested_widths: list[int]  # the width the policy asked for this row per step
+    requested_widths: list[int]  # the width the policy asked for this row per step; 0 marks
+    # an undrafted (plain) step of a skip_draft policy
     steps: int  # verify steps (the first token comes from the prefill, not a step)
     tau: float  # mean tokens committed per verify step (accepted + 1); nan without steps
     finish_reason: str  # "eos" or "length"
@@ -132,7 +133,9 @@ class SpeculativeEngine:
             use_length_head=drafter is not None and policy.needs_length_head,
             use_accept_head=drafter is not None and getattr(policy, "needs_accept_head", False),
         )
-        if self.spec.use_accept_head and not hasattr(drafter.length_head, "accept_probs"):
+        if self.spec.use_accept_head and not getattr(
+            drafter.length_head, "has_accept_output", False
+        ):
             raise EngineError(
                 "the policy reads per-position acceptance from the length head, but this "
                 "drafter's head has no accept_probs output"

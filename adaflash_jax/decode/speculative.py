@@ -13,6 +13,10 @@ Invariants of a live slot b (one request):
   target cache back to old + n + 1 and appends the n + 1 verified positions' features to the
   drafter context.
 - Finished and free slots ride along masked: nothing they compute is committed.
+- A policy with a "don't speculate" arm (`skip_draft`) may skip the drafter for the whole
+  batch: the step then verifies width 1 (the bonus alone), i.e. it is a plain decoding step
+  that still appends the committed token's features to the drafter context. The step records
+  requested width 0 for such rows.
 The plain path (`drafter is None`) uses the same state and scheduler with width 1.
 """
 
@@ -45,7 +49,9 @@ class SpecState:
     steps_B: jax.Array  # int32 verify steps of the slot's current request
     accepted_BxC: jax.Array  # int32 accepted drafts per step, -1 past steps
     width_BxC: jax.Array  # int32 batch verify width (bucket) per step
-    request_BxC: jax.Array  # int32 the row's requested width per step
+    request_BxC: jax.Array  # int32 the row's requested width per step (0: undrafted step)
+    accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
+    undrafted: jax.Array  # int32 scalar: undrafted steps in a row (skip_draft policies)
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
     rng: jax.Array
@@ -64,6 +70,11 @@ class EngineSpec:
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
     use_length_head: bool = False
     use_accept_head: bool = False  # policy reads `length_head.accept_probs` [B, K−1]
+
+    @property
+    def skip_draft(self) -> bool:
+        """The policy may run undrafted (plain) steps (see `policies.GoodputPolicy`)."""
+        return bool(getattr(self.policy, "skip_draft", False))
 
     def __post_init__(self):
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.block_size:
@@ -97,6 +108,10 @@ def bucket_set(buckets, block_size: int) -> tuple[int, ...]:
     return tuple(sorted({int(b) for b in buckets if 1 <= int(b) < block_size} | {block_size}))
 
 
+def _block_size(drafter) -> int:
+    return 1 if drafter is None else drafter.config.block_size
+
+
 def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p, seed) -> SpecState:
     """All slots free (done). Buffers are `capacity` long: a request never outgrows it."""
     eos = tuple(eos_ids) or (-1,)
@@ -114,6 +129,8 @@ def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p,
         accepted_BxC=zeros_BxC,
         width_BxC=zeros_BxC,
         request_BxC=zeros_BxC,
+        accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
+        undrafted=jnp.zeros((), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
         top_p=jnp.asarray(top_p, jnp.float32),
         rng=jax.random.key(seed),
@@ -122,7 +139,8 @@ def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p,
 
 # ---- one step ------------------------------------------------------------------------------
 def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
-    """Drafts, their sampling distribution q (None when greedy) and the requested widths."""
+    """Drafts, their sampling distribution q (None when greedy), the requested widths and
+    the rows' acceptance estimates (updated only by policies that keep them)."""
     d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
     logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
     b, km1, v = logits_BxKm1xV.shape
@@ -141,14 +159,32 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         logits_BxKm1xV=logits_BxKm1xV,
         length_r_B=drafter.length_head(hidden) if spec.use_length_head else None,
         head_accept_BxKm1=(
-            drafter.length_head.accept_probs(hidden) if spec.use_accept_head else None
+            drafter.length_head.accept_probs(hidden, logits_BxKm1xV)
+            if spec.use_accept_head
+            else None
         ),
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
     )
-    width_B = spec.policy.widths(inp, block_size=spec.block_size, buckets=spec.buckets)
+    est_BxKm1 = s.accept_est_BxKm1
+    if spec.skip_draft:
+        width_B, fresh_BxKm1 = spec.policy.decide(
+            inp, block_size=spec.block_size, buckets=spec.buckets
+        )
+        est_BxKm1 = jnp.where(active_B[:, None], fresh_BxKm1, est_BxKm1)
+    else:
+        width_B = spec.policy.widths(inp, block_size=spec.block_size, buckets=spec.buckets)
     width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
-    return drafts_BxKm1, q_BxKm1xV, width_B
+    return drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1
+
+
+def _no_draft(target, s: SpecState, spec: EngineSpec):
+    """The undrafted branch: no drafter forward; width 1 verifies the bonus alone. Same
+    outputs as `_draft` (the unused draft slots are zeros)."""
+    b, km1, v = s.bonus_B.shape[0], spec.block_size - 1, target.config.vocab_size
+    q_BxKm1xV = None if spec.greedy else jnp.zeros((b, km1, v), jnp.float32)
+    drafts_BxKm1 = jnp.zeros((b, km1), jnp.int32)
+    return drafts_BxKm1, q_BxKm1xV, jnp.ones((b,), jnp.int32), s.accept_est_BxKm1
 
 
 def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
@@ -215,7 +251,20 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     if drafter is None:
         return _plain_step(target, s.replace(rng=rng), spec, key_accept)
-    drafts_BxKm1, q_BxKm1xV, width_B = _draft(drafter, target, s, spec, key_draft)
+    if spec.skip_draft:
+        drafted = spec.policy.speculate(
+            s.accept_est_BxKm1, active_B, s.undrafted, buckets=spec.buckets
+        )
+        drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = jax.lax.cond(
+            drafted,
+            lambda: _draft(drafter, target, s, spec, key_draft),
+            lambda: _no_draft(target, s, spec),
+        )
+        undrafted = jnp.where(drafted, 0, s.undrafted + 1).astype(jnp.int32)
+    else:
+        drafted = jnp.asarray(True)
+        drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = _draft(drafter, target, s, spec, key_draft)
+        undrafted = s.undrafted
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket_idx = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
@@ -232,11 +281,13 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
     advance_B = jnp.where(active_B, n_commit_B, 0)
     s = _commit(s, committed_BxK, n_commit_B, active_B)
-    s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], width_B)
+    s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], jnp.where(drafted, width_B, 0))
     return s.replace(
         target_cache=tcache.with_lengths(s.target_cache.lengths + advance_B),
         context_cache=drafter.append_context(s.context_cache, feats_BxKxnD, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
+        accept_est_BxKm1=est_BxKm1,
+        undrafted=undrafted,
         rng=rng,
     )
 
@@ -303,6 +354,9 @@ def prefill(target, drafter, s: SpecState, slots_R, prompt_RxP, prompt_len_R, ma
         accepted_BxC=_scatter_rows(s.accepted_BxC, blank_RxC, slots_R),
         width_BxC=_scatter_rows(s.width_BxC, blank_RxC, slots_R),
         request_BxC=_scatter_rows(s.request_BxC, blank_RxC, slots_R),
+        accept_est_BxKm1=_scatter_rows(
+            s.accept_est_BxKm1, jnp.ones((r, s.accept_est_BxKm1.shape[1]), jnp.float32), slots_R
+        ),
         rng=rng,
     )
     started_B = _scatter_rows(jnp.zeros_like(s.done_B), jnp.ones((r,), bool), slots_R)

@@ -59,16 +59,24 @@ class VerifyCostTable:
             raise ValueError("verify times must be positive and draft times non-negative")
 
     # ---- lookups ------------------------------------------------------------------------
-    def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
-        """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
+    def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
+        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
         traceable): linear in the row count between measured rows, clamped outside."""
         cols = [self.widths.index(w) for w in widths]
         verify_NRxNW = jnp.asarray(self.verify_ms, jnp.float32)[:, jnp.asarray(cols)]
         rows_NR = jnp.asarray(self.rows, jnp.float32)
         n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
-        verify_NW = jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
-        draft = jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
-        return verify_NW + draft
+        return jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
+
+    def draft_step_ms(self, num_rows) -> jax.Array:
+        """The drafter's block forward for `num_rows` active rows (jnp scalar, traceable)."""
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        rows_NR = jnp.asarray(self.rows, jnp.float32)
+        return jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
+
+    def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
+        """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""
+        return self.verify_step_ms(num_rows, widths) + self.draft_step_ms(num_rows)
 
     def verify(self, rows: int, width: int) -> float:
         """Host lookup of the measured verify ms (interpolated in rows)."""
