@@ -31,6 +31,7 @@ def run_drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int 
         num_features=d.num_features,
         target_layer_ids=d.target_layer_ids,
         length_head=True,
+        accept_dim=d.accept_dim,
     )
 
 

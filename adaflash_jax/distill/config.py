@@ -21,6 +21,7 @@ import types
 import typing
 from typing import Any
 
+from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
 METHODS = ("stage1", "adaflash", "sft", "fkl")  # fkl: forward-KL comparison (opt-in)
@@ -77,11 +78,15 @@ class DraftSpec:
     target_layer_ids: tuple[int, ...] | None = None  # None → DESIGN §2 defaults
     mask_token_id: int | None = None  # None → the tokenizer's mask token
     init_from: str | None = None  # skips stage 1; a missing length head starts fresh
+    # Width of the length head's per-position acceptance network (0: none). With init_from
+    # it must equal the import's (an import without one gets a fresh DEFAULT_ACCEPT_DIM one).
+    accept_dim: int = DEFAULT_ACCEPT_DIM
 
     def __post_init__(self):
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         _positive("draft", self, "layers", "num_features")
+        _positive("draft", self, "accept_dim", allow_zero=True)
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(
                 f"draft.block_size {self.block_size} is not supported: the drafter needs "

@@ -21,7 +21,7 @@ from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.drafter.checkpoint import config_from_hf
-from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM, DrafterConfig
 from adaflash_jax.drafter.init import find_mask_token_id
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
@@ -77,13 +77,24 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
         if not os.path.isfile(path):
             raise ConfigError(f"draft.init_from {d.init_from} has no config.json")
         with open(path) as f:
-            dcfg = config_from_hf(json.load(f), with_length_head=True)
+            raw = json.load(f)
+        dcfg = config_from_hf(raw, with_length_head=True)
         if dcfg.block_size != d.block_size:
             raise ConfigError(
                 f"draft.block_size {d.block_size} does not match the imported drafter's "
                 f"block_size {dcfg.block_size} ({d.init_from}); set draft.block_size="
                 f"{dcfg.block_size}"
             )
+        # The training loader keeps the import's acceptance network, or gives an import
+        # without one a fresh DEFAULT_ACCEPT_DIM-wide one: the run's width must be that.
+        accept = dcfg.length_head.accept_dim or DEFAULT_ACCEPT_DIM
+        if d.accept_dim != accept:
+            what = "its acceptance network" if dcfg.length_head.accept_dim else "a fresh one"
+            raise ConfigError(
+                f"draft.accept_dim {d.accept_dim} does not match the imported drafter "
+                f"({d.init_from}: {what} is {accept} wide); set draft.accept_dim={accept}"
+            )
+        dcfg = config_from_hf(raw, with_length_head=True, accept_dim=accept)
     else:
         dcfg = DrafterConfig.for_target(
             target,
@@ -93,6 +104,7 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
             num_features=d.num_features,
             target_layer_ids=d.target_layer_ids,
             length_head=True,
+            accept_dim=d.accept_dim,
         )
     try:
         dcfg.validate_against(target)

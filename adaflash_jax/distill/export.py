@@ -1,5 +1,8 @@
 """Drafter export: sharded training params → one HF DFlash/AdaFlash directory (process 0).
 
+Remote (gs://) exports are written locally first, then copied file by file with config.json
+(the completion marker) last, the optional `adaflash_extra/` part included.
+
 Also turns a stage checkpoint directory back into an export, for `experiments/export.py`:
 the run directory keeps the drafter's HF config (`drafter_config.json`), and the checkpoint's
 `params` subtree is read without rebuilding the optimizer that wrote it.
@@ -8,6 +11,9 @@ the run directory keeps the drafter's HF config (`drafter_config.json`), and the
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -36,9 +42,36 @@ def export_drafter(graphdef: nnx.GraphDef, params, path: str) -> str | None:
     host = host_params(params)
     if jax.process_index() != 0:
         return None
-    with fs.LocalDir(path) as local:
-        save_drafter(nnx.merge(graphdef, host), local)
+    write_export(nnx.merge(graphdef, host), path)
     return path
+
+
+def write_export(drafter: Drafter, path: str) -> None:
+    """`save_drafter` to a local directory, or through a local temporary one to gs://."""
+    if not fs.is_remote(path):
+        save_drafter(drafter, path)
+        return
+    local = tempfile.mkdtemp(prefix="adaflash_export_")
+    try:
+        save_drafter(drafter, local)
+        publish(local, path)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def publish(local: str, path: str) -> None:
+    """Copies a finished local export (subdirectories included, e.g. the optional
+    `adaflash_extra/` part) to `path`, config.json last: it marks the export complete."""
+    path = path.rstrip("/")
+    marker = epath.Path(f"{path}/config.json")
+    if marker.exists():  # overwriting: incomplete until the new marker lands
+        marker.unlink()
+    files = []
+    for root, _, names in os.walk(local):
+        files += [os.path.relpath(os.path.join(root, n), local) for n in names]
+    for rel in sorted(files, key=lambda r: (r == "config.json", r)):
+        with open(os.path.join(local, rel), "rb") as f:
+            fs.write_bytes(f"{path}/{rel.replace(os.sep, '/')}", f.read())
 
 
 def save_drafter_config(cfg: DrafterConfig, run_dir: str) -> None:
@@ -83,7 +116,7 @@ def export_checkpoint(ckpt_dir: str, out: str, *, run_dir: str | None = None, st
     model = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(model, nnx.Param)
     state = _fill(abstract, params)
-    save_drafter(nnx.merge(graphdef, state), out)
+    write_export(nnx.merge(graphdef, state), out)
     return out
 
 

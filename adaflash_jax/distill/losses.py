@@ -3,6 +3,10 @@
 Dimensions: B batch, N blocks (anchors) per sequence, P = K−1 predicted positions per block
 (block position k = 1..K−1 predicts the token at anchor + k), V vocab.
 
+Acceptance head (`accept_head_loss`). Draft position i's label is the greedy match m_i
+(drafter argmax == target argmax, as in `accepted_streak`); a_i is conditional on drafts < i
+being accepted, so only positions after an unbroken run of matches count.
+
 Weights. Position k carries w_k = exp(−(k−1)/γ) times its validity mask; Nw = Σ w over
 EVERY valid position of the (global) batch. All position losses are Σ w·loss / Nw, i.e. a
 weighted mean over the batch.
@@ -121,3 +125,35 @@ def length_head_loss(r_BxN, accepted_BxN, valid_BxN, block_size: int):
     count = jnp.maximum(jnp.sum(v_BxN), 1.0)
     err_BxN = r_BxN.astype(jnp.float32) - jax.lax.stop_gradient(y_BxN)
     return jnp.sum(v_BxN * err_BxN**2) / count, jnp.sum(v_BxN * jnp.abs(err_BxN)) / count
+
+
+def conditional_mask(match_BxNxP, mask_BxNxP) -> jax.Array:
+    """Positions whose acceptance is defined: valid, and every earlier position of the block
+    valid and matched (a_i is conditional on drafts < i being accepted) → bool [B, N, P]."""
+    ok_BxNxP = (match_BxNxP & mask_BxNxP).astype(jnp.int32)
+    streak_BxNxP = jnp.cumprod(ok_BxNxP, axis=-1)  # 1 up to and including the last match
+    first_BxNx1 = jnp.ones_like(streak_BxNxP[..., :1])
+    prior_BxNxP = jnp.concatenate([first_BxNx1, streak_BxNxP[..., :-1]], axis=-1)
+    return mask_BxNxP & (prior_BxNxP > 0)
+
+
+def accept_head_loss(logits_BxNxP, match_BxNxP, mask_BxNxP) -> tuple[jax.Array, dict]:
+    """BCE of the acceptance head's logits z (a = sigmoid(z)) against greedy matches m, over
+    the positions of `conditional_mask`; computed from logits: softplus(z) − m·z.
+
+    Returns (bce, parts): `accept_mae` mean |a − m|, `accept_gap` |mean a − mean m| (the
+    calibration gap over all counted positions), `accept_rate` the empirical mean m.
+    """
+    z = logits_BxNxP.astype(jnp.float32)
+    m = jax.lax.stop_gradient(match_BxNxP.astype(jnp.float32))
+    w = conditional_mask(match_BxNxP.astype(bool), mask_BxNxP).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(w), 1.0)
+    bce = jnp.sum(w * (jax.nn.softplus(z) - m * z)) / count
+    a = jax.lax.stop_gradient(jax.nn.sigmoid(z))
+    mean_a, mean_m = jnp.sum(w * a) / count, jnp.sum(w * m) / count
+    parts = {
+        "accept_mae": jnp.sum(w * jnp.abs(a - m)) / count,
+        "accept_gap": jnp.abs(mean_a - mean_m),
+        "accept_rate": mean_m,
+    }
+    return bce, parts

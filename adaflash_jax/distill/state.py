@@ -17,15 +17,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from adaflash_jax.drafter.checkpoint import (
-    HEAD_PREFIX,
-    config_from_hf,
-    drafter_param_table,
-)
-from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.checkpoint import open_export
+from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM, DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.io.safetensors_io import SafetensorsFile
-from adaflash_jax.model.checkpoint import CheckpointError
 from adaflash_jax.sharding.rules import Rules, variable_sharding
 from adaflash_jax.train.state import TrainState
 
@@ -80,42 +74,28 @@ def load_drafter_sharded(
     seed: int,
     dtype=jnp.float32,
     with_length_head: bool = True,
+    accept_dim: int | None = None,
 ) -> tuple[DrafterConfig, nnx.GraphDef, nnx.State]:
     """An HF DFlash/AdaFlash export → sharded float32 params; each device reads only its
-    slice from the memory map. A plain DFlash export gets a freshly initialised head."""
-    import json
+    slice from the memory map. A plain DFlash export gets a freshly initialised head.
 
-    path = os.fspath(path)
-    cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    for p in (cfg_path, st_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"drafter export {path} has no {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f), with_length_head=with_length_head)
-    file = SafetensorsFile(st_path)
-    has_head = any(k.startswith(HEAD_PREFIX) for k in file.keys())
+    `accept_dim` None loads the export's acceptance part, or gives an export without one a
+    fresh `DEFAULT_ACCEPT_DIM`-wide network (the `DraftSpec.accept_dim` default); 0 drops it.
+    """
+    export = open_export(
+        path,
+        with_length_head=with_length_head,
+        accept_dim=accept_dim,
+        fresh_accept_dim=DEFAULT_ACCEPT_DIM,
+    )
+    cfg = export.config
     graphdef, params = fresh_drafter(cfg, mesh=mesh, rules=rules, seed=seed, dtype=dtype)
     model = nnx.merge(graphdef, params)
-    table = drafter_param_table(model)
-    present = {k for k in file.keys() if has_head or not k.startswith(HEAD_PREFIX)}
-    if cfg.length_head is None:
-        present = {k for k in present if not k.startswith(HEAD_PREFIX)}
-    required = {k for k in table if has_head or not k.startswith(HEAD_PREFIX)}
-    if missing := sorted(required - present):
-        raise CheckpointError(f"drafter {path} is missing tensors: {missing[:8]}")
-    if unexpected := sorted(present - set(table)):
-        raise CheckpointError(f"drafter {path} has unexpected tensors: {unexpected[:8]}")
-    for name in sorted(required):
-        var, transpose = table[name]
-        mm = file.get(name)
-        view = mm.T if transpose else mm
-        shape = tuple(var.get_value().shape)
-        if view.shape != shape:
-            raise CheckpointError(f"drafter tensor {name!r} has shape {list(mm.shape)}")
+    for _, var, view in export.arrays(model):
         sharding = variable_sharding(var, mesh, rules)
         var.set_value(
             jax.make_array_from_callback(
-                shape, sharding, lambda idx, v=view: np.asarray(v[idx], np.float32)
+                view.shape, sharding, lambda idx, v=view: np.asarray(v[idx], np.float32)
             )
         )
     return cfg, graphdef, nnx.state(model, nnx.Param)

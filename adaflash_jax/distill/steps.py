@@ -10,7 +10,8 @@ and under `stop_gradient`: it yields the context features, the embedding and LM-
 the drafter borrows, and the teacher logits at ℓ − 1 for every label position ℓ = a + k.
 Parameters that a stage does not train get a zero update (`optax.set_to_zero`) rather than
 a zero gradient, so weight decay cannot touch them. The length head always reads DETACHED
-drafter states, so its MSE never reaches the drafter.
+drafter states (and, for its acceptance output, detached drafter logits), so its MSE and BCE
+never reach the drafter.
 
 `jit_step` compiles a step once with explicit in/out shardings and donates the old state.
 """
@@ -100,11 +101,23 @@ def _teacher_logits(target, hidden_BxSxD, teacher_pos_BxNxP):
     return logits.reshape(b, n, p, -1)
 
 
-def _head_loss(drafter, hidden_BxNxKxD, accepted_BxN, valid_BxN, block_size):
-    b, n, k, d = hidden_BxNxKxD.shape
-    detached = jax.lax.stop_gradient(hidden_BxNxKxD).reshape(b * n, k, d)
-    r_BxN = drafter.length_head(detached).reshape(b, n)
-    return losses.length_head_loss(r_BxN, accepted_BxN, valid_BxN, block_size)
+def _head_loss(drafter, hidden_BxNxKxD, logits_BxNxPxV, best_BxNxP, mask_BxNxP, valid_BxN, k):
+    """Length-head loss on DETACHED drafter outputs: r's MSE, plus the acceptance output's BCE
+    against greedy matches when the head has one. Returns (loss, metrics, accepted_BxN)."""
+    b, n, _, d = hidden_BxNxKxD.shape
+    hidden = jax.lax.stop_gradient(hidden_BxNxKxD).reshape(b * n, k, d)
+    draft_BxNxP = jnp.argmax(logits_BxNxPxV, axis=-1)
+    accepted_BxN = losses.accepted_streak(draft_BxNxP, best_BxNxP, mask_BxNxP)
+    r_BxN = drafter.length_head(hidden).reshape(b, n)
+    mse, mae = losses.length_head_loss(r_BxN, accepted_BxN, valid_BxN, k)
+    aux = {"head_mse": mse, "head_mae": mae}
+    if not drafter.length_head.has_accept_output:
+        return mse, aux, accepted_BxN
+    logits = jax.lax.stop_gradient(logits_BxNxPxV).reshape(b * n, k - 1, -1)
+    z_BxNxP = drafter.length_head.accept_logits(hidden, logits).reshape(b, n, k - 1)
+    bce, parts = losses.accept_head_loss(z_BxNxP, draft_BxNxP == best_BxNxP, mask_BxNxP)
+    aux.update(accept_bce=bce, **parts)
+    return mse + bce, aux, accepted_BxN
 
 
 # ---- the steps -------------------------------------------------------------------------------
@@ -144,12 +157,11 @@ def make_step(
         if spec.kind == "head_init":
             # The drafter is frozen too: its forward stays outside value_and_grad.
             _, hidden, logits = student(jax.lax.stop_gradient(state.params))
-            accepted = losses.accepted_streak(jnp.argmax(logits, -1), best_BxNxP, mask_BxNxP)
 
             def loss_fn(params):
                 drafter = nnx.merge(drafter_graphdef, params)
-                mse, mae = _head_loss(drafter, hidden, accepted, valid, k)
-                return mse, {"head_mse": mse, "head_mae": mae}
+                loss, aux, _ = _head_loss(drafter, hidden, logits, best_BxNxP, mask_BxNxP, valid, k)
+                return loss, aux
 
         else:
 
@@ -170,14 +182,15 @@ def make_step(
                     tau=batch["tau"],
                     temperature=batch["temperature"],
                 )
-                accepted = losses.accepted_streak(jnp.argmax(logits, -1), best_BxNxP, mask_BxNxP)
-                mse, mae = _head_loss(drafter, hidden, accepted, valid, k)
+                head_loss, head_aux, accepted = _head_loss(
+                    drafter, hidden, logits, best_BxNxP, mask_BxNxP, valid, k
+                )
                 aux.update(parts)
                 aux["drafter_loss"] = loss
                 aux["ce_acc"] = losses.accuracy(logits, best_BxNxP, mask_BxNxP)
-                aux["head_mse"], aux["head_mae"] = mse, mae
+                aux.update(head_aux)
                 aux["accepted_mean"] = jnp.sum(accepted * valid) / jnp.maximum(valid.sum(), 1)
-                return loss + mse, aux
+                return loss + head_loss, aux
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

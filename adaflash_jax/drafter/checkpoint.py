@@ -3,10 +3,17 @@
 Tensor names carry no `model.` prefix, PyTorch [out, in] layout, no embedding and no LM
 head. The AdaFlash length head lives under `thresh_head_two_model.*`; loaders that do not
 know it ignore those keys, so every export also serves as a plain DFlash drafter.
+
+The length head's optional per-position acceptance network is an optional part in a
+subdirectory, `adaflash_extra/accept_head.safetensors` (float32, `accept_head.*`), so serving
+stacks that glob the top-level `*.safetensors` never see it. `dflash_config.adaflash_accept_head`
+names the part (file, width, positions, feature order); unknown dflash_config keys are
+ignored by serving stacks. Without that key (or the file) an export is a DFlash(+r) drafter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -16,12 +23,16 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.drafter.config import DrafterConfig, LengthHeadConfig
+from adaflash_jax.drafter.length_head import ACCEPT_FEATURES
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError
 from adaflash_jax.model.config import ConfigError, RopeScaling
 
 HEAD_PREFIX = "thresh_head_two_model."
+ACCEPT_PREFIX = "accept_head."
+ACCEPT_FILE = "adaflash_extra/accept_head.safetensors"  # relative to the export directory
+ACCEPT_KEY = "adaflash_accept_head"  # in config.json's dflash_config
 
 
 def drafter_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, bool]]:
@@ -55,6 +66,18 @@ def length_head_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, b
     return t
 
 
+def accept_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, bool]]:
+    """The acceptance part's names (its own file) → (Variable, stored as [out, in])."""
+    net = drafter.length_head.accept
+    return {
+        ACCEPT_PREFIX + "in.weight": (net.proj_in.kernel, True),  # [A, D+2]
+        ACCEPT_PREFIX + "in.bias": (net.proj_in.bias, False),
+        ACCEPT_PREFIX + "out.weight": (net.proj_out.kernel, True),  # [1, A]
+        ACCEPT_PREFIX + "out.bias": (net.proj_out.bias, False),
+        ACCEPT_PREFIX + "position_bias": (net.position_bias, False),  # [K−1]
+    }
+
+
 def config_to_hf(cfg: DrafterConfig) -> dict:
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     if cfg.length_head is not None:
@@ -63,6 +86,13 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
             thresh_head_direct_len=True,
             thresh_head_bottleneck_dim=cfg.length_head.bottleneck_dim,
         )
+        if cfg.length_head.accept_dim > 0:
+            dflash[ACCEPT_KEY] = {
+                "file": ACCEPT_FILE,
+                "accept_dim": cfg.length_head.accept_dim,
+                "positions": cfg.block_size - 1,
+                "features": list(ACCEPT_FEATURES),
+            }
     out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -90,7 +120,36 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
     return out
 
 
-def config_from_hf(raw: dict, *, with_length_head: bool | None = None) -> DrafterConfig:
+def _accept_entry(raw: dict) -> dict | None:
+    """config.json's description of the acceptance part, validated; None when absent."""
+    entry = (raw.get("dflash_config") or {}).get(ACCEPT_KEY)
+    if entry is None:
+        return None
+    where = f"dflash_config.{ACCEPT_KEY}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be an object, got {entry!r}")
+    file, dim = entry.get("file"), entry.get("accept_dim")
+    if not isinstance(file, str) or os.path.isabs(file) or ".." in file.split("/"):
+        raise ConfigError(f"{where}.file must be a path inside the export, got {file!r}")
+    if not isinstance(dim, int) or dim <= 0:
+        raise ConfigError(f"{where}.accept_dim must be a positive integer, got {dim!r}")
+    if list(entry.get("features", ())) != list(ACCEPT_FEATURES):
+        raise ConfigError(
+            f"{where}.features {entry.get('features')!r} is not the feature set this loader "
+            f"computes ({list(ACCEPT_FEATURES)})"
+        )
+    block_size = raw.get("block_size", (raw.get("dflash_config") or {}).get("block_size"))
+    positions = entry.get("positions")
+    if block_size is not None and positions != int(block_size) - 1:
+        raise ConfigError(f"{where}.positions {positions!r} != block_size − 1 ({block_size} − 1)")
+    return entry
+
+
+def config_from_hf(
+    raw: dict, *, with_length_head: bool | None = None, accept_dim: int | None = None
+) -> DrafterConfig:
+    """`accept_dim` None takes the acceptance width from `dflash_config.adaflash_accept_head`
+    (0 when absent); it only applies when the config has a length head."""
     dflash = raw.get("dflash_config") or {}
     try:
         block_size = int(raw.get("block_size", dflash.get("block_size")))
@@ -117,6 +176,11 @@ def config_from_hf(raw: dict, *, with_length_head: bool | None = None) -> Drafte
         else:
             scaling = None
         theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        if head and accept_dim is None:
+            entry = _accept_entry(raw)
+            accept_dim = entry["accept_dim"] if entry else 0
+        if accept_dim and not head:
+            raise ConfigError(f"accept_dim={accept_dim} needs the length head")
         return DrafterConfig(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -134,7 +198,10 @@ def config_from_hf(raw: dict, *, with_length_head: bool | None = None) -> Drafte
             num_target_layers=raw.get("num_target_layers", max(layer_ids) + 1),
             mask_token_id=int(mask_token_id),
             length_head=(
-                LengthHeadConfig(bottleneck_dim=dflash.get("thresh_head_bottleneck_dim", 256))
+                LengthHeadConfig(
+                    bottleneck_dim=dflash.get("thresh_head_bottleneck_dim", 256),
+                    accept_dim=accept_dim or 0,
+                )
                 if head
                 else None
             ),
@@ -143,25 +210,148 @@ def config_from_hf(raw: dict, *, with_length_head: bool | None = None) -> Drafte
         raise ConfigError(f"drafter config.json is missing or has a bad field: {e}") from None
 
 
-def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16) -> None:
-    """Writes the export; weights land before config.json so a torn write is never loadable."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for name, (var, transpose) in drafter_param_table(drafter).items():
+def _host_tensors(table, dtype) -> dict[str, np.ndarray]:
+    """Export name → host array in [out, in] layout; refuses NaN/Inf."""
+    out = {}
+    for name, (var, transpose) in table.items():
         arr = np.asarray(jax.device_get(var.get_value()))
         if not np.all(np.isfinite(arr.astype(np.float32))):
             raise ValueError(f"refusing to export drafter: tensor {name!r} has NaN or Inf values")
         arr = arr.astype(np.dtype(dtype)) if dtype is not None else arr
-        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16) -> None:
+    """Writes the export; every weight file lands before config.json (the completion marker),
+    so a torn write is never loadable. The acceptance part, if any, is float32."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = _host_tensors(drafter_param_table(drafter), dtype)
+    head = drafter.length_head
+    extra = None
+    if head is not None and head.has_accept_output:
+        extra = _host_tensors(accept_param_table(drafter), np.float32)
+    cfg_file = os.path.join(path, "config.json")
+    if os.path.exists(cfg_file):  # overwriting an export: it is incomplete until we finish
+        os.remove(cfg_file)
     save_file(tensors, os.path.join(path, "model.safetensors"))
+    part = os.path.join(path, ACCEPT_FILE)
+    if extra is not None:
+        os.makedirs(os.path.dirname(part), exist_ok=True)
+        save_file(extra, part)
+    elif os.path.exists(part):  # a stale part from an earlier export into this directory
+        os.remove(part)
     cfg = config_to_hf(drafter.config)
     if dtype is not None:
         cfg["torch_dtype"] = np.dtype(dtype).name
-    tmp = os.path.join(path, "config.json.tmp")
+    tmp = cfg_file + ".tmp"
     with open(tmp, "w") as f:
         json.dump(cfg, f, indent=2)
-    os.replace(tmp, os.path.join(path, "config.json"))
+    os.replace(tmp, cfg_file)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterExport:
+    """An opened export: its resolved config, the main file and the optional acceptance part
+    (memory-mapped, nothing read yet). Shared by `load_drafter` and the sharded loader."""
+
+    path: str
+    config: DrafterConfig
+    main: SafetensorsFile
+    accept_part: SafetensorsFile | None  # None: no acceptance network, or a fresh one
+    fresh_head: bool  # the reference head is requested but the export has none
+    fresh_accept: bool  # the acceptance network is requested but the export has none
+
+    def arrays(self, drafter: Drafter) -> list[tuple[str, nnx.Variable, np.ndarray]]:
+        """(name, variable, memory-mapped view in the variable's layout) for every tensor the
+        export supplies to `drafter` (built from `self.config`); fresh parts are left out.
+
+        Every file is checked (missing, unexpected, shapes) before anything is returned.
+        """
+        main_table = drafter_param_table(drafter)
+        present = set(self.main.keys())
+        if self.config.length_head is None:  # a head nobody asked for is ignored
+            present = {k for k in present if not k.startswith(HEAD_PREFIX)}
+        required = {k for k in main_table if not (self.fresh_head and k.startswith(HEAD_PREFIX))}
+        parts = [(self.main, main_table, required, present)]
+        if self.accept_part is not None:
+            table = accept_param_table(drafter)
+            parts.append((self.accept_part, table, set(table), set(self.accept_part.keys())))
+        out = []
+        for file, table, required, present in parts:
+            if missing := sorted(required - present):
+                raise CheckpointError(f"drafter {file.path} is missing tensors: {missing[:8]}")
+            if unexpected := sorted(present - set(table)):
+                raise CheckpointError(
+                    f"drafter {file.path} has unexpected tensors: {unexpected[:8]}"
+                )
+            for name in sorted(required):
+                var, transpose = table[name]
+                mm = file.get(name)
+                view = mm.T if transpose else mm
+                want = tuple(var.get_value().shape)
+                if view.shape != want:
+                    raise CheckpointError(
+                        f"drafter tensor {name!r} in {file.path} has shape {list(mm.shape)}, "
+                        f"config.json implies {list(want[::-1] if transpose else want)}"
+                    )
+                out.append((name, var, view))
+        return out
+
+
+def open_export(
+    path: str | os.PathLike,
+    *,
+    with_length_head: bool | None = None,
+    accept_dim: int | None = None,
+    fresh_accept_dim: int = 0,
+) -> DrafterExport:
+    """Opens an export directory (ours or a published DFlash drafter) and resolves its config.
+
+    `with_length_head`: None follows the export; True adds a fresh head when it has none;
+    False ignores its head. `accept_dim`: None follows the export (its acceptance part, or a
+    fresh `fresh_accept_dim`-wide network when it has none); 0 ignores the part; > 0 asks for
+    that width (fresh when the export has no part). The acceptance network needs the head.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"drafter directory does not exist: {path}")
+    cfg_path = os.path.join(path, "config.json")
+    st_path = os.path.join(path, "model.safetensors")
+    for p in (cfg_path, st_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"drafter directory {path} has no {os.path.basename(p)}")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    main = SafetensorsFile(st_path)
+    has_head = any(k.startswith(HEAD_PREFIX) for k in main.keys())
+    dflash = raw.get("dflash_config") or {}
+    head = with_length_head
+    if head is None:
+        head = has_head or bool(dflash.get("use_thresh_head_two_model", False))
+    entry = _accept_entry(raw) if head else None
+    if head and accept_dim is None and entry is None:
+        accept_dim = fresh_accept_dim
+    config = config_from_hf(raw, with_length_head=head, accept_dim=accept_dim)
+    want_accept = config.length_head is not None and config.length_head.accept_dim > 0
+    part = None
+    if want_accept and entry is not None:
+        part_path = os.path.join(path, entry["file"])
+        if not os.path.isfile(part_path):
+            raise CheckpointError(
+                f"drafter {path}: config.json names the acceptance-head part "
+                f"{entry['file']!r}, but {part_path} does not exist"
+            )
+        part = SafetensorsFile(part_path)
+    return DrafterExport(
+        path=path,
+        config=config,
+        main=main,
+        accept_part=part,
+        fresh_head=config.length_head is not None and not has_head,
+        fresh_accept=want_accept and part is None,
+    )
 
 
 def load_drafter(
@@ -170,52 +360,18 @@ def load_drafter(
     dtype=jnp.float32,
     param_dtype=None,
     with_length_head: bool | None = None,
+    accept_dim: int | None = None,
     seed: int = 0,
 ) -> Drafter:
     """Loads an export (ours or a published DFlash drafter).
 
-    `with_length_head=True` on a plain DFlash checkpoint initialises a fresh head.
+    `with_length_head=True` on a plain DFlash checkpoint initialises a fresh head; a fresh
+    acceptance network only comes with an explicit `accept_dim` > 0 (see `open_export`).
+    The head's parameters stay float32 whatever `param_dtype` is.
     """
-    path = os.fspath(path)
-    cfg_path = os.path.join(path, "config.json")
-    st_path = os.path.join(path, "model.safetensors")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"drafter directory does not exist: {path}")
-    for p in (cfg_path, st_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"drafter directory {path} has no {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    file = SafetensorsFile(st_path)
-    has_head = any(k.startswith(HEAD_PREFIX) for k in file.keys())
-    config = config_from_hf(
-        raw, with_length_head=with_length_head if with_length_head is not None else None
-    )
-    if with_length_head is None and has_head and config.length_head is None:
-        config = config_from_hf(raw, with_length_head=True)
+    export = open_export(path, with_length_head=with_length_head, accept_dim=accept_dim)
     param_dtype = param_dtype or dtype
-    drafter = Drafter(config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
-    table = drafter_param_table(drafter)
-    fresh_head = config.length_head is not None and not has_head
-    required = {k for k in table if not (fresh_head and k.startswith(HEAD_PREFIX))}
-    present = set(file.keys())
-    if not has_head or config.length_head is None:
-        present = {k for k in present if not k.startswith(HEAD_PREFIX)}
-    if missing := sorted(required - present):
-        raise CheckpointError(f"drafter {path} is missing tensors: {missing[:8]}")
-    if unexpected := sorted(present - set(table)):
-        raise CheckpointError(f"drafter {path} has unexpected tensors: {unexpected[:8]}")
-    for name in sorted(required):
-        var, transpose = table[name]
-        arr = np.asarray(file.get(name))
-        arr = arr.T if transpose else arr
-        want = tuple(var.get_value().shape)
-        if arr.shape != want:
-            got = list(file.shape(name))
-            raise CheckpointError(
-                f"drafter tensor {name!r} has shape {got}, config.json implies "
-                f"{list(want[::-1] if transpose else want)}"
-            )
-        var_dtype = jnp.float32 if name.startswith(HEAD_PREFIX) else param_dtype
-        var.set_value(jnp.asarray(arr.astype(np.dtype(var_dtype))))
+    drafter = Drafter(export.config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    for _, var, view in export.arrays(drafter):
+        var.set_value(jnp.asarray(np.asarray(view).astype(var.get_value().dtype)))
     return drafter

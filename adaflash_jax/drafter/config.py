@@ -8,17 +8,26 @@ from adaflash_jax.model.config import ConfigError, RopeScaling, TargetConfig
 
 # Block sizes the decayed-CE schedule is defined for (DESIGN §4.1); others fall back to K/2.
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Width of the per-position acceptance network a distillation run gives its head by default.
+DEFAULT_ACCEPT_DIM = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LengthHeadConfig:
-    """The reference "two-model" head: mean+last block state → 256 → residual → sigmoid."""
+    """The reference "two-model" head: mean+last block state → 256 → residual → sigmoid.
+
+    `accept_dim` > 0 adds a separate per-position acceptance network of that width (its own
+    trunk, so r is unaffected); 0 means the reference head only.
+    """
 
     bottleneck_dim: int = 256
+    accept_dim: int = 0
 
     def __post_init__(self):
         if self.bottleneck_dim <= 0:
             raise ConfigError(f"length head bottleneck_dim must be positive: {self.bottleneck_dim}")
+        if self.accept_dim < 0:
+            raise ConfigError(f"length head accept_dim must be >= 0: {self.accept_dim}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,8 +91,14 @@ class DrafterConfig:
         target_layer_ids: tuple[int, ...] | None = None,
         num_features: int = 5,
         length_head: bool = True,
+        accept_dim: int = 0,
     ) -> DrafterConfig:
-        """A drafter shaped like its target (DFlash: same width and heads as the target)."""
+        """A drafter shaped like its target (DFlash: same width and heads as the target).
+
+        `accept_dim` > 0 gives the length head a per-position acceptance output.
+        """
+        if accept_dim and not length_head:
+            raise ConfigError(f"accept_dim={accept_dim} needs length_head=True")
         if target_layer_ids is None:
             target_layer_ids = target.default_feature_layers(num_features)
         return cls(
@@ -102,7 +117,7 @@ class DrafterConfig:
             target_layer_ids=tuple(target_layer_ids),
             num_target_layers=target.num_hidden_layers,
             mask_token_id=mask_token_id,
-            length_head=LengthHeadConfig() if length_head else None,
+            length_head=LengthHeadConfig(accept_dim=accept_dim) if length_head else None,
         )
 
     def validate_against(self, target: TargetConfig) -> None:

@@ -93,7 +93,9 @@ class Drafter(nnx.Module):
         )
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.length_head = (
-            LengthHead(d, config.length_head, rngs=rngs) if config.length_head else None
+            LengthHead(d, config.length_head, block_size=config.block_size, rngs=rngs)
+            if config.length_head
+            else None
         )
 
     # ---- context ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import of the training code. The fields it looks for (all optional except as not
 - batch_size (global sequences per train step), seq_len, num_anchors, block_size.
 - drafter: a `DrafterConfig` (layers, block size, feature layers, width, length head are
   taken from it), or the flat fields drafter_layers, num_features / target_layer_ids,
-  drafter_intermediate_size, length_head_dim.
+  drafter_intermediate_size, length_head_dim, accept_dim (default 64 with a length head).
 - remat (bool, or "none"/"full"), attention ("naive" | "fused"), logits_chunk (anchors per
   loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules,
   compute_dtype ("bfloat16" | "float32": activation bytes; target weights count as bf16).
@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adaflash_jax.bench.shapes import shape_config
+from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
 
@@ -204,6 +205,8 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
             head_dim=dcfg.head_dim,
             num_features=len(dcfg.target_layer_ids),
             length_head_dim=head.bottleneck_dim if head is not None else 0,
+            accept_dim=head.accept_dim if head is not None else 0,
+            block_size=dcfg.block_size,
         )
         block_default = dcfg.block_size
     else:
@@ -214,10 +217,14 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
             num_features=len(layer_ids) if layer_ids else get("num_features", 5),
             intermediate_size=get("drafter_intermediate_size"),
             length_head_dim=get("length_head_dim", 256),
+            accept_dim=get("accept_dim", DEFAULT_ACCEPT_DIM if get("length_head_dim", 256) else 0),
+            block_size=get("block_size", 16),
         )
         block_default = 16
     if "drafter_layers" in overrides:
         drafter = dataclasses.replace(drafter, num_layers=overrides["drafter_layers"])
+    if "block_size" in overrides:
+        drafter = dataclasses.replace(drafter, block_size=overrides["block_size"])
     remat = get("remat", False)
     if isinstance(remat, str):
         remat = remat.lower() not in ("", "none", "off", "false")

@@ -43,6 +43,8 @@ class DrafterShape:
     head_dim: int
     num_features: int = 5
     length_head_dim: int = 256  # 0: no length head
+    accept_dim: int = 0  # the head's per-position acceptance network (0: none)
+    block_size: int = 16  # sizes the acceptance network's per-position bias (K−1)
 
     def __post_init__(self):
         for name in (
@@ -58,6 +60,10 @@ class DrafterShape:
                 raise ConfigError(f"drafter {name} must be positive, got {getattr(self, name)}")
         if self.length_head_dim < 0:
             raise ConfigError(f"length_head_dim must be >= 0, got {self.length_head_dim}")
+        if self.accept_dim < 0 or (self.accept_dim and not self.length_head_dim):
+            raise ConfigError(f"accept_dim must be >= 0 and needs a length head: {self.accept_dim}")
+        if self.block_size < 2:
+            raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")
 
     @classmethod
     def like_target(
@@ -68,6 +74,8 @@ class DrafterShape:
         num_features: int = 5,
         intermediate_size: int | None = None,
         length_head_dim: int = 256,
+        accept_dim: int = 0,
+        block_size: int = 16,
     ) -> DrafterShape:
         return cls(
             num_layers=num_layers,
@@ -78,6 +86,8 @@ class DrafterShape:
             head_dim=target.head_dim,
             num_features=num_features,
             length_head_dim=length_head_dim,
+            accept_dim=accept_dim,
+            block_size=block_size,
         )
 
 
@@ -137,7 +147,8 @@ def target_layer_params(cfg: TargetConfig) -> list[ParamSpec]:
 
 
 def drafter_params(shape: DrafterShape) -> list[ParamSpec]:
-    """Every parameter array of `Drafter(cfg)` (fc, norms, Qwen3 layers, length head)."""
+    """Every parameter array of `Drafter(cfg)` (fc, norms, Qwen3 layers, length head and its
+    acceptance network)."""
     d = shape.hidden_size
     out = [
         ParamSpec("fc", (shape.num_features * d, d), ("features", "embed")),
@@ -163,6 +174,17 @@ def drafter_params(shape: DrafterShape) -> list[ParamSpec]:
             ParamSpec("length_head.res.bias", (r,), ("head_hidden",)),
             ParamSpec("length_head.out.kernel", (r, 1), ("head_hidden", None)),
             ParamSpec("length_head.out.bias", (1,), (None,)),
+        ]
+    a = shape.accept_dim
+    if r and a:
+        out += [
+            ParamSpec(
+                "length_head.accept.proj_in.kernel", (d + 2, a), ("accept_in", "accept_hidden")
+            ),
+            ParamSpec("length_head.accept.proj_in.bias", (a,), ("accept_hidden",)),
+            ParamSpec("length_head.accept.proj_out.kernel", (a, 1), ("accept_hidden", None)),
+            ParamSpec("length_head.accept.proj_out.bias", (1,), (None,)),
+            ParamSpec("length_head.accept.position_bias", (shape.block_size - 1,), ("accept_pos",)),
         ]
     return out
 

@@ -28,6 +28,9 @@ TRAIN_RULES: Rules = {
     "features": "fsdp",
     "norm": None,
     "head_hidden": None,
+    "accept_in": None,
+    "accept_hidden": None,
+    "accept_pos": None,
 }
 
 # Decoding: weights split over tensor only (no per-step all-gathers), batch over data.
@@ -41,6 +44,9 @@ DECODE_RULES: Rules = {
     "features": None,
     "norm": None,
     "head_hidden": None,
+    "accept_in": None,
+    "accept_hidden": None,
+    "accept_pos": None,
 }
 
 
