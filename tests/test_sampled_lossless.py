@@ -153,3 +153,17 @@ def test_rejection_acceptance_unit():
     q_bad = jnp.array([[[0.0, 0.0, 1.0, 0.0]] * 2] * 5)
     n, bonus = accept(jax.random.key(1), drafts + 2, q_bad, logits, jnp.full((5,), 3), 1.0, None)
     assert n.tolist() == [0] * 5 and set(bonus.tolist()) <= {0, 1}
+
+
+def test_rejection_acceptance_without_drafts():
+    """Width 1 (an undrafted step, or a one-token verify branch): no drafts, the token is a
+    plain sample from p."""
+    p = jnp.array([0.1, 0.6, 0.3, 0.0])
+    logits = jnp.broadcast_to(jnp.log(jnp.maximum(p, 1e-30)), (4096, 1, 4))
+    drafts, q = jnp.zeros((4096, 0), jnp.int32), jnp.zeros((4096, 0, 4))
+    n, tok = jax.jit(acceptance.rejection_accept, static_argnums=(6,))(
+        jax.random.key(3), drafts, q, logits, jnp.ones((4096,), jnp.int32), 1.0, None
+    )
+    assert set(n.tolist()) == {0}
+    freq = np.bincount(np.asarray(tok), minlength=4) / 4096
+    np.testing.assert_allclose(freq, p, atol=0.03)

@@ -12,6 +12,10 @@ deliberately biased one in tests:
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
 
+The engine calls it inside each verify-width branch with K = that width W (drafts and q cut
+to W − 1 positions, rows' width_B <= W); W = 1 (no drafts) must work: the bonus then comes
+straight from p at position 0.
+
 (temperature: scalar > 0; top_p: scalar, or None for "no nucleus filter", see
 `sampling_probs`.)
 """
@@ -90,6 +94,8 @@ def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temper
     p_at_BxV = p_BxKxV[rows_B, accepted_B]
     # A rejection happened at position `accepted` unless the row accepted all its drafts;
     # then q is "absent" (zero) and the residual is p itself.
+    if k == 1:  # nothing drafted: plain sampling from p
+        return accepted_B, _residual_sample(key_r, p_at_BxV, jnp.zeros_like(p_at_BxV))
     rejected_B = accepted_B < width_B - 1
     q_at_BxV = jnp.where(
         rejected_B[:, None], q_BxKm1xV[rows_B, jnp.minimum(accepted_B, k - 2)], 0.0

@@ -187,10 +187,15 @@ def _no_draft(target, s: SpecState, spec: EngineSpec):
     return drafts_BxKm1, q_BxKm1xV, jnp.ones((b,), jnp.int32), s.accept_est_BxKm1
 
 
-def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
-    """Target forward over the first W = buckets[bucket_idx] tokens, padded back to K; the
-    branches only read the cache, the new entries are written after the switch (in place;
-    see `verify.py`)."""
+def _verify_accept(target, tokens_BxK, q_BxKm1xV, width_B, s: SpecState, spec, bucket_idx, key):
+    """Target forward over the first W = buckets[bucket_idx] tokens and acceptance of their
+    W − 1 drafts, inside one `lax.switch` branch per width: the logits never leave their
+    branch (padding [B, W, V] to K and accepting over K positions would cost as much as the
+    forward at small widths). The branches only read the cache; the new entries, padded to
+    K, are written after the switch (in place; see `verify.py`).
+
+    Returns (accepted_B, bonus_B, features [B, K, nD] or None, target cache with the new
+    entries written but lengths unchanged)."""
     k = spec.block_size
 
     def branch(w):
@@ -198,8 +203,19 @@ def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
             logits, feats, new_k, new_v = verify_forward(
                 target, tokens_BxK[:, :w], cache, spec.feature_layers
             )
+            q_BxWm1xV = None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1]
+            accepted_B, bonus_B = spec.accept_fn(
+                key,
+                tokens_BxK[:, 1:w],
+                q_BxWm1xV,
+                logits.astype(jnp.float32),
+                width_B,
+                s.temperature,
+                spec.top_p(s),
+            )
             return (
-                pad_width(logits.astype(jnp.float32), k),
+                accepted_B.astype(jnp.int32),
+                bonus_B.astype(jnp.int32),
                 None if feats is None else pad_width(feats, k),
                 tuple(pad_width(x, k) for x in new_k),
                 tuple(pad_width(x, k) for x in new_v),
@@ -207,10 +223,10 @@ def _verify(target, tokens_BxK, cache: KVCache, spec: EngineSpec, bucket_idx):
 
         return run
 
-    logits_BxKxV, feats_BxKxnD, new_k, new_v = jax.lax.switch(
-        bucket_idx, [branch(w) for w in spec.buckets], cache
+    accepted_B, bonus_B, feats_BxKxnD, new_k, new_v = jax.lax.switch(
+        bucket_idx, [branch(w) for w in spec.buckets], s.target_cache
     )
-    return logits_BxKxV, feats_BxKxnD, write_new_entries(cache, new_k, new_v)
+    return accepted_B, bonus_B, feats_BxKxnD, write_new_entries(s.target_cache, new_k, new_v)
 
 
 def _commit(s: SpecState, tokens_BxK, n_commit_B, active_B) -> SpecState:
@@ -268,11 +284,8 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket_idx = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
-    logits_BxKxV, feats_BxKxnD, tcache = _verify(
-        target, tokens_BxK, s.target_cache, spec, bucket_idx
-    )
-    accepted_B, bonus_B = spec.accept_fn(
-        key_accept, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, s.temperature, spec.top_p(s)
+    accepted_B, bonus_B, feats_BxKxnD, tcache = _verify_accept(
+        target, tokens_BxK, q_BxKm1xV, width_B, s, spec, bucket_idx, key_accept
     )
     accepted_B = jnp.where(active_B, accepted_B, 0).astype(jnp.int32)
     n_commit_B = accepted_B + 1
