@@ -66,6 +66,7 @@ def micro(tmp_path_factory):
 def _check_export(path):
     drafter = load_drafter(path)
     assert drafter.length_head is not None and drafter.config.block_size == 4
+    assert drafter.length_head.has_accept_output  # DraftSpec.accept_dim defaults to 64
 
 
 def test_full_micro_pipeline(micro):
@@ -83,7 +84,8 @@ def test_full_micro_pipeline(micro):
         _check_export(os.path.join(run_dir, "export", method))
     for png in ("tau.png", "losses.png"):
         assert os.path.getsize(os.path.join(run_dir, png)) > 1000
-    tags = set(read_scalars(os.path.join(run_dir, "tb")))
+    scalars = read_scalars(os.path.join(run_dir, "tb"))
+    tags = set(scalars)
     for tag in (
         "stage1/ce",
         "stage1/ce_acc",
@@ -96,8 +98,12 @@ def test_full_micro_pipeline(micro):
         "stage2_adaflash/head_mse",
         "stage2_adaflash/lr_head",
         "stage2_adaflash/collect_tau",
+        "head_init/accept_bce",
+        "stage2_adaflash/accept_bce",
     ):
         assert tag in tags, tag
+    for tag in ("head_init/accept_bce", "stage2_adaflash/accept_bce"):
+        assert np.all(np.isfinite([v for _, v in scalars[tag]])), (tag, scalars[tag])
     # a rerun resumes: every stage restores from its final checkpoint, same τ
     assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
@@ -112,6 +118,8 @@ def test_full_micro_pipeline(micro):
     assert export.main([run_dir, "--out", out]) == 0
     a, b = load_drafter(out), load_drafter(os.path.join(run_dir, "export", "adaflash"))
     np.testing.assert_array_equal(a.fc.kernel[...], b.fc.kernel[...])
+    acc_a, acc_b = a.length_head.accept, b.length_head.accept
+    np.testing.assert_array_equal(acc_a.proj_in.kernel[...], acc_b.proj_in.kernel[...])
 
 
 def test_untrained_export(micro):
@@ -140,7 +148,7 @@ def test_bad_configs_fail_before_compute(micro, capsys, flags, field):
     assert not os.path.exists(run_dir)  # nothing was written
 
 
-def test_init_from_plain_dflash_export(micro):
+def test_init_from_plain_dflash_export(micro, capsys):
     """--init-drafter skips stage 1; a DFlash export without a length head gets a fresh one."""
     from adaflash_jax.drafter.checkpoint import save_drafter
     from adaflash_jax.drafter.init import drafter_for_target
@@ -154,6 +162,9 @@ def test_init_from_plain_dflash_export(micro):
     save_drafter(plain, dflash_dir, dtype=None)
     run_dir = str(root / "run_init")
     args = ["--config", config, "--run-dir", run_dir, "--init-drafter", dflash_dir]
+    # the import has no acceptance network: the run's must be the fresh default one
+    assert cli.main([*args, "--set", "draft.accept_dim=8", "--no-progress"]) == 2
+    assert "draft.accept_dim=64" in capsys.readouterr().err and not os.path.exists(run_dir)
     assert cli.main([*args, "--rounds", "1", "--no-progress"]) == 0
     assert not os.path.exists(os.path.join(run_dir, "ckpt", "stage1"))
     out = load_drafter(os.path.join(run_dir, "export", "adaflash"))

@@ -148,3 +148,52 @@ def test_accepted_streak_and_head_loss():
     y = np.array([4 / 5, 2 / 5])
     np.testing.assert_allclose(float(mse), np.mean((np.array([0.8, 0.4]) - y) ** 2), atol=1e-7)
     np.testing.assert_allclose(float(mae), np.mean(np.abs(np.array([0.8, 0.4]) - y)), atol=1e-7)
+
+
+def test_accept_head_loss_hand_computed():
+    """BCE only where every earlier position matched and the position is valid."""
+    z = np.array([[[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]]], np.float32)  # [B=1, N=2, P=3]
+    match = np.array([[[True, False, True], [True, True, False]]])
+    mask = np.array([[[True, True, True], [True, False, True]]])
+    # block 0: positions 0, 1 count (2 stops after the mismatch at 1)
+    # block 1: position 0 counts; 1 is invalid, so 2 has no unbroken matched prefix
+    counted = [(2.0, 1.0), (-1.0, 0.0), (0.0, 1.0)]
+    want = np.mean([np.log1p(np.exp(-v)) if m else np.log1p(np.exp(v)) for v, m in counted])
+    bce, parts = losses.accept_head_loss(jnp.asarray(z), jnp.asarray(match), jnp.asarray(mask))
+    np.testing.assert_allclose(float(bce), want, rtol=1e-6)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    np.testing.assert_allclose(
+        float(parts["accept_mae"]), np.mean([abs(sig(v) - m) for v, m in counted]), rtol=1e-6
+    )
+    np.testing.assert_allclose(float(parts["accept_rate"]), 2 / 3, rtol=1e-6)
+    gap = abs(np.mean([sig(v) for v, _ in counted]) - 2 / 3)
+    np.testing.assert_allclose(float(parts["accept_gap"]), gap, rtol=1e-5)
+    # positions that do not count cannot move the loss, whatever their logits
+    z2 = z.copy()
+    z2[0, 0, 2] = z2[0, 1, 1] = z2[0, 1, 2] = 50.0
+    np.testing.assert_allclose(
+        float(losses.accept_head_loss(jnp.asarray(z2), jnp.asarray(match), jnp.asarray(mask))[0]),
+        want,
+        rtol=1e-6,
+    )
+    # stable from logits: huge logits give finite loss and gradient
+    big = jnp.asarray(np.array([[[80.0, -80.0, 80.0]]], np.float32))
+    m1 = jnp.asarray(np.array([[[False, True, True]]]))
+    all_valid = jnp.ones((1, 1, 3), bool)
+    val, grad = jax.value_and_grad(lambda x: losses.accept_head_loss(x, m1, all_valid)[0])(big)
+    np.testing.assert_allclose(float(val), 80.0, rtol=1e-5)  # only position 0 counts
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_conditional_mask_is_the_accepted_streak_plus_one():
+    rng = np.random.default_rng(0)
+    match = jnp.asarray(rng.random((4, 6, 7)) < 0.7)
+    mask = jnp.asarray(rng.random((4, 6, 7)) < 0.9)
+    counted = losses.conditional_mask(match, mask)
+    streak = np.asarray(losses.accepted_streak(match, jnp.ones_like(match), mask))
+    for b in range(4):
+        for n in range(6):
+            row = np.asarray(counted[b, n])
+            want = np.zeros(7, bool)
+            want[: streak[b, n] + 1] = True  # the matched prefix and the first miss
+            np.testing.assert_array_equal(row, want & np.asarray(mask[b, n]))
