@@ -106,7 +106,8 @@ class LengthHead(nnx.Module):
     def accept_probs(self, hidden_BxKxD, logits_BxKm1xV) -> jax.Array:
         """a_i = P(draft i accepted | drafts < i accepted) → float32 [B, K−1] in (0, 1).
 
-        Kept off exact 0 and 1 (float32 sigmoid saturates), so policies may take logs.
+        `logits_BxKm1xV` are the drafter's raw logits (no temperature or top-p), as in
+        training. Kept off exact 0 and 1 (float32 sigmoid saturates), so policies may take logs.
         """
         a_BxP = jax.nn.sigmoid(self.accept_logits(hidden_BxKxD, logits_BxKm1xV))
         return jnp.clip(a_BxP, PROB_EPS, 1.0 - PROB_EPS)
