@@ -162,13 +162,17 @@ def test_init_from_plain_dflash_export(micro, capsys):
     save_drafter(plain, dflash_dir, dtype=None)
     run_dir = str(root / "run_init")
     args = ["--config", config, "--run-dir", run_dir, "--init-drafter", dflash_dir]
-    # the import has no acceptance network: the run's must be the fresh default one
-    assert cli.main([*args, "--set", "draft.accept_dim=8", "--no-progress"]) == 2
-    assert "draft.accept_dim=64" in capsys.readouterr().err and not os.path.exists(run_dir)
-    assert cli.main([*args, "--rounds", "1", "--no-progress"]) == 0
+    # the import has no acceptance network: it gets a fresh one of the run's width
+    flags = ["--rounds", "1", "--set", "draft.accept_dim=8", "--no-progress"]
+    assert cli.main([*args, *flags]) == 0
     assert not os.path.exists(os.path.join(run_dir, "ckpt", "stage1"))
     out = load_drafter(os.path.join(run_dir, "export", "adaflash"))
-    assert out.length_head is not None
+    assert out.length_head is not None and out.config.length_head.accept_dim == 8
+    # a trained acceptance network keeps its width: another width is refused before compute
+    again = str(root / "run_again")
+    args = ["--config", config, "--run-dir", again, "--init-drafter", run_dir + "/export/adaflash"]
+    assert cli.main([*args, "--set", "draft.accept_dim=16", "--no-progress"]) == 2
+    assert "draft.accept_dim=8" in capsys.readouterr().err and not os.path.exists(again)
     # stage 1 was skipped: the "stage1" export is the import plus its initialised head
     stage1 = load_drafter(os.path.join(run_dir, "export", "stage1"))
     np.testing.assert_allclose(

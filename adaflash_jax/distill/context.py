@@ -21,7 +21,7 @@ from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.drafter.checkpoint import config_from_hf
-from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM, DrafterConfig
+from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.init import find_mask_token_id
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
@@ -85,14 +85,14 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
                 f"block_size {dcfg.block_size} ({d.init_from}); set draft.block_size="
                 f"{dcfg.block_size}"
             )
-        # The training loader keeps the import's acceptance network, or gives an import
-        # without one a fresh DEFAULT_ACCEPT_DIM-wide one: the run's width must be that.
-        accept = dcfg.length_head.accept_dim or DEFAULT_ACCEPT_DIM
+        # A trained acceptance network is kept as it is (its width is fixed); an import
+        # without one gets a fresh network of the run's width (pipeline passes it on).
+        accept = dcfg.length_head.accept_dim or d.accept_dim
         if d.accept_dim != accept:
-            what = "its acceptance network" if dcfg.length_head.accept_dim else "a fresh one"
             raise ConfigError(
                 f"draft.accept_dim {d.accept_dim} does not match the imported drafter "
-                f"({d.init_from}: {what} is {accept} wide); set draft.accept_dim={accept}"
+                f"({d.init_from}: its acceptance network is {accept} wide); set "
+                f"draft.accept_dim={accept}"
             )
         dcfg = config_from_hf(raw, with_length_head=True, accept_dim=accept)
     else:

@@ -119,7 +119,12 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     dc = ctx.drafter_cfg
     if cfg.draft.init_from is not None:
         _, d_graph, params = load_drafter_sharded(
-            cfg.draft.init_from, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed, dtype=dtype
+            cfg.draft.init_from,
+            mesh=mesh,
+            rules=TRAIN_RULES,
+            seed=cfg.seed,
+            dtype=dtype,
+            accept_dim=dc.length_head.accept_dim,
         )
     else:
         d_graph, params = fresh_drafter(
