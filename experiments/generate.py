@@ -18,7 +18,7 @@ import os
 import jax.numpy as jnp
 
 from adaflash_jax.decode.generate import GenerateError, generate
-from adaflash_jax.decode.policies import POLICY_NAMES, PolicyError
+from adaflash_jax.decode.policies import ESTIMATORS, POLICY_NAMES, PolicyError
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.model.checkpoint import CheckpointError, load_target
 from adaflash_jax.model.config import ConfigError
@@ -43,9 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
     s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
     s.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
+    s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
+    s.add_argument(
+        "--no-skip-draft", action="store_true", help="goodput always drafts (no plain steps)"
+    )
     a = p.parse_args(argv)
     if a.drafter is None and (a.block_size or a.slots or a.policy != "fixed" or a.cost_table):
         p.error("--block-size/--slots/--policy/--cost-table need --drafter")
+    if a.policy != "goodput" and (a.estimator or a.no_skip_draft):
+        p.error("--estimator/--no-skip-draft are options of --policy goodput")
     return a
 
 
@@ -91,6 +97,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {e}") from None
 
 
+def goodput_options(args) -> dict:
+    kw = {"skip_draft": not args.no_skip_draft}
+    if args.estimator:
+        kw["estimator"] = args.estimator
+    return kw
+
+
 def speculative(args, model, prompts, eos):
     """(outputs, per-prompt stats) through the engine; greedy output equals `generate`."""
     from adaflash_jax.drafter.checkpoint import load_drafter
@@ -114,6 +127,7 @@ def speculative(args, model, prompts, eos):
         seed=args.seed,
         eos_ids=eos,
         cost_table=args.cost_table,
+        policy_kwargs=goodput_options(args) if args.policy == "goodput" else None,
     )
     results = engine.generate([(p, args.max_new_tokens) for p in prompts])
     stats = [

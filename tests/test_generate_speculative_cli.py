@@ -79,6 +79,9 @@ def test_greedy_speculative_equals_plain(dirs, capsys):
         (["--drafter", "{drafter}", "--block-size", "1"], "block_size must be >= 2"),
         (["--drafter", "{drafter}", "--policy", "goodput", "--cost-table", "{target}/x"], "x"),
         (["--policy", "goodput"], "need --drafter"),
+        (["--drafter", "{drafter}", "--estimator", "head"], "options of --policy goodput"),
+        # refused before any verify-cost calibration: the drafter has no acceptance output
+        (["--drafter", "{drafter}", "--policy", "goodput", "--estimator", "head"], "accept_probs"),
     ],
 )
 def test_errors(dirs, capsys, argv, match):

@@ -45,6 +45,17 @@ class Result:
     finish_reason: str  # "eos" or "length"
 
 
+_NO_ACCEPT_OUTPUT = (
+    "the policy reads per-position acceptance from the length head (estimator 'head'), but "
+    "this drafter's head has no accept_probs output (train it with draft.accept_dim > 0)"
+)
+
+
+def _has_accept_output(drafter) -> bool:
+    head = getattr(drafter, "length_head", None)
+    return bool(getattr(head, "has_accept_output", False))
+
+
 def _pow2_at_least(n: int, cap: int) -> int:
     p = 1
     while p < n:
@@ -104,6 +115,9 @@ class SpeculativeEngine:
         if drafter is None:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
         elif isinstance(policy, str):
+            estimator = (policy_kwargs or {}).get("estimator")
+            if policy == "goodput" and estimator == "head" and not _has_accept_output(drafter):
+                raise EngineError(_NO_ACCEPT_OUTPUT)  # before any calibration compute
             if policy == "goodput" and not isinstance(cost_table, VerifyCostTable):
                 cost_table = load_or_calibrate(
                     target,
@@ -133,13 +147,8 @@ class SpeculativeEngine:
             use_length_head=drafter is not None and policy.needs_length_head,
             use_accept_head=drafter is not None and getattr(policy, "needs_accept_head", False),
         )
-        if self.spec.use_accept_head and not getattr(
-            drafter.length_head, "has_accept_output", False
-        ):
-            raise EngineError(
-                "the policy reads per-position acceptance from the length head, but this "
-                "drafter's head has no accept_probs output"
-            )
+        if self.spec.use_accept_head and not _has_accept_output(drafter):
+            raise EngineError(_NO_ACCEPT_OUTPUT)
         self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
