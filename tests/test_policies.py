@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode import policies, verify_cost
+from adaflash_jax.decode import policies, step_cost, verify_cost
+from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.policies import (
     AdaFlashPolicy,
     FixedPolicy,
@@ -208,55 +209,50 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(verify_cost, "calibrate", no_calibration)
     assert verify_cost.load_or_calibrate(target, drafter, **kw) == table
     assert verify_cost.load_or_calibrate(target, drafter, **kw, path=files[0]) == table
-    # The engine finds the same cached table by itself (same device/model/slots/widths/capacity).
+    # Without a table, the engine measures goodput's costs on its own jitted step (cached
+    # separately: same device/models/slots/buckets/capacity/estimator/sampling mode).
+    engine_kw = dict(
+        slots=1, capacity=16, buckets=(1, 4), policy="goodput", cache_dir=str(tmp_path)
+    )
     engine = SpeculativeEngine(
-        target,
-        drafter,
-        slots=1,
-        capacity=16,
-        buckets=(1, 4),
-        policy="goodput",
-        cache_dir=str(tmp_path),
-        policy_kwargs={"estimator": "length_head"},
+        target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"}
     )
-    assert engine.policy == GoodputPolicy(cost=table, estimator="length_head")
-    assert engine.spec.use_length_head
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_goodput_speculates_only_when_drafting_pays(seed):
-    """`speculate` against a brute-force comparison: the best drafted rate (Σ E[committed] /
-    (draft + verify)) versus a plain step (n rows / verify at width 1)."""
-    rng = np.random.default_rng(seed)
-    policy = GoodputPolicy(cost=TABLE, estimator="head", probe_every=3)
-    decide = jax.jit(functools.partial(policy.speculate, buckets=BUCKETS))
-    outcomes = set()
-    for case in range(12):
-        b = int(rng.integers(1, 17))
-        scale = (0.9, 0.5, 0.2)[case % 3]  # confident, middling and poor drafters
-        accept = np.clip(scale + rng.normal(0, 0.1, size=(b, K - 1)), 0, 1)
-        active = rng.random(b) < 0.9
-        active[0] = True
-        n = int(active.sum())
-        best = max(
-            sum(1.0 + sum(np.prod(a[:i]) for i in range(1, w)) for a in accept[active])
-            / (TABLE.verify(n, w) + float(np.interp(n, TABLE.rows, TABLE.draft_ms)))
-            for w in BUCKETS
-        )
-        want = best > n / TABLE.verify(n, 1)
-        got = bool(decide(jnp.asarray(accept, jnp.float32), jnp.asarray(active), jnp.int32(0)))
-        assert got == want
-        outcomes.add(got)
-        # a probe is forced after `probe_every` undrafted steps, whatever the estimates
-        assert bool(decide(jnp.asarray(accept, jnp.float32), jnp.asarray(active), jnp.int32(3)))
-    assert outcomes == {True, False}, "the random cases should exercise both decisions"
-
-
-def test_skip_arm_needs_the_width_1_bucket():
-    with pytest.raises(PolicyError, match="width 1"):
-        GoodputPolicy(cost=TABLE).validate(buckets=(2, 4, 8), slots=2, has_length_head=True)
-    GoodputPolicy(cost=TABLE, skip_draft=False).validate(
-        buckets=(2, 4, 8), slots=2, has_length_head=True
+    got = engine.policy.cost
+    assert engine.spec.use_length_head and engine.policy.estimator == "length_head"
+    assert got.rows == (1,) and got.widths == (1, 4) and "engine-step" in got.model
+    assert got.draft_ms[0] >= 0 and min(got.verify_ms[0]) > 0
+    steps = [f for f in tmp_path.iterdir() if f.name.startswith("step-")]
+    assert len(steps) == 1
+    monkeypatch.setattr(step_cost, "calibrate_engine", no_calibration)
+    again = SpeculativeEngine(
+        target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"}
     )
-    with pytest.raises(PolicyError, match="probe_every"):
-        GoodputPolicy(cost=TABLE, probe_every=0)
+    assert again.policy == engine.policy
+    with pytest.raises(AssertionError, match="cached"):  # another estimator: another table
+        SpeculativeEngine(target, drafter, **engine_kw)
+    # a given table (object or JSON path) is used as it is
+    given = SpeculativeEngine(target, drafter, **engine_kw, cost_table=str(files[0]))
+    assert given.policy.cost == table
+
+
+def test_engine_step_calibration_decomposes_the_step(monkeypatch):
+    """draft = step(drafted, W=1) − step(undrafted); verify[W] = step(drafted, W) − draft:
+    goodput's draft + verify is the drafted step, its plain arm the undrafted step."""
+    measured = {(False, 1): 3.0, (True, 1): 5.0, (True, 2): 5.5, (True, 4): 7.0}
+
+    def fake_case_ms(engine, policy, **_):
+        return measured[(policy.draft, policy.width)]
+
+    monkeypatch.setattr(step_cost, "_case_ms", fake_case_ms)
+
+    class FakeEngine:
+        slots, capacity, block_size, buckets = 4, 64, 4, (1, 2, 4)
+        spec = sp.EngineSpec(block_size=4, buckets=(1, 2, 4), greedy=True, nucleus=False,
+                             feature_layers=())  # fmt: skip
+
+    table = step_cost.calibrate_engine(FakeEngine())
+    assert table.rows == (4,) and table.widths == (1, 2, 4)
+    assert table.draft_ms == (2.0,)
+    np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
+    np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
+    np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))

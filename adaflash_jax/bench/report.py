@@ -214,7 +214,7 @@ def write_outputs(result, out_dir: str) -> dict[str, str]:
     traces = {
         "format": "adaflash_jax.bench_traces/1",
         "encoding": "per request, one base-36 digit per verify step: accepted drafts; "
-        "requested width minus 1",
+        "requested width (0 = an undrafted step) minus requested_offset",
         "meta": result.meta,
         "cost_tables": {n: t.to_json() for n, t in result.cost_tables.items()},
         "cells": result.traces,

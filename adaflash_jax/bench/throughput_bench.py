@@ -212,6 +212,8 @@ class ThroughputBench:
             raise BenchError(f"every domain needs prompts: {sorted(self.prompts)}")
         self.capacity = self._capacity()
         self.cost_tables = dict(cost_tables or {})
+        # goodput uses a given table as it is; otherwise each engine measures its own step
+        self.given_tables = dict(cost_tables or {})
         self._engines: dict[tuple, SpeculativeEngine] = {}
 
     def _capacity(self) -> int:
@@ -276,7 +278,7 @@ class ThroughputBench:
                 capacity=self.capacity,
                 buckets=self.settings.buckets,
                 policy=m.policy or "fixed",
-                cost_table=self.cost_table(m.drafter) if m.policy == "goodput" else None,
+                cost_table=self.given_tables.get(m.drafter) if m.policy == "goodput" else None,
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,
@@ -347,6 +349,8 @@ class ThroughputBench:
             "requested": [encode_trace(r.requested_widths) for r in results],
             "requested_offset": 0,  # 0 = an undrafted (plain) step
         }
+        if m.policy == "goodput":  # the table the policy decided with (measured or given)
+            trace["goodput_cost"] = engine.policy.cost.to_json()
         return row, trace
 
     # ---- everything -----------------------------------------------------------------------
@@ -356,6 +360,8 @@ class ThroughputBench:
         rows, traces = [], []
         t_start = time.perf_counter()
         result = None
+        for name in dict.fromkeys(m.drafter for m in self.methods if m.drafter is not None):
+            self.cost_table(name)  # bare forward costs: the ideal speedup and the projection
         for c in self.settings.concurrencies:
             for domain in self.prompts:
                 plain = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -22,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode import step_cost
 from adaflash_jax.decode.policies import FixedPolicy, PolicyError, make_policy
-from adaflash_jax.decode.verify_cost import VerifyCostTable, load_or_calibrate
+from adaflash_jax.decode.verify_cost import VerifyCostTable
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 NO_LIMIT = 2**30
@@ -112,46 +114,63 @@ class SpeculativeEngine:
         self.seed = seed
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
+        self.acceptance = acceptance
+        self._tdef, self._tstate = nnx.split(target)
+        self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
+        self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
+        goodput_kwargs = None  # set when goodput's table is measured on this engine below
         if drafter is None:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
         elif isinstance(policy, str):
-            estimator = (policy_kwargs or {}).get("estimator")
-            if policy == "goodput" and estimator == "head" and not _has_accept_output(drafter):
-                raise EngineError(_NO_ACCEPT_OUTPUT)  # before any calibration compute
-            if policy == "goodput" and not isinstance(cost_table, VerifyCostTable):
-                cost_table = load_or_calibrate(
-                    target,
-                    drafter,
-                    slots=slots,
-                    widths=self.buckets,
-                    capacity=capacity,
-                    cache_dir=cache_dir,
-                    path=cost_table,
-                )
-            policy = make_policy(policy, cost=cost_table, **(policy_kwargs or {}))
+            kwargs = dict(policy_kwargs or {})
+            if policy == "goodput" and kwargs.get("estimator") == "head":
+                if not _has_accept_output(drafter):
+                    raise EngineError(_NO_ACCEPT_OUTPUT)  # before any calibration compute
+            if isinstance(cost_table, (str, os.PathLike)):
+                cost_table = VerifyCostTable.load(cost_table)
+            if policy == "goodput" and cost_table is None:
+                goodput_kwargs = kwargs
+                # checks the options (and the buckets) before the calibration compute
+                self._set_policy(make_policy(policy, cost=self._unit_table(), **kwargs))
+                policy = FixedPolicy()  # until the calibrated table exists
+            else:
+                policy = make_policy(policy, cost=cost_table, **kwargs)
+        self._set_policy(policy)
+        if goodput_kwargs is not None:
+            table = step_cost.load_or_calibrate_engine(
+                self, estimator=goodput_kwargs.get("estimator", "confidence"), cache_dir=cache_dir
+            )
+            self._set_policy(make_policy("goodput", cost=table, **goodput_kwargs))
+
+    def _unit_table(self) -> VerifyCostTable:
+        n = len(self.buckets)
+        return VerifyCostTable(
+            rows=(self.slots,), widths=self.buckets, verify_ms=((1.0,) * n,), draft_ms=(0.0,)
+        )
+
+    def _set_policy(self, policy) -> None:
+        """Validates `policy` for this engine and builds the static spec around it."""
+        drafter = self.drafter
         has_head = drafter is not None and getattr(drafter, "length_head", None) is not None
         if drafter is not None:
             try:
-                policy.validate(buckets=self.buckets, slots=slots, has_length_head=has_head)
+                policy.validate(buckets=self.buckets, slots=self.slots, has_length_head=has_head)
             except PolicyError as e:
                 raise EngineError(str(e)) from None
         self.policy = policy
         self.spec = sp.EngineSpec(
-            block_size=k,
+            block_size=self.block_size,
             buckets=self.buckets,
             greedy=self.temperature == 0.0,
             nucleus=self.top_p < 1.0,
             feature_layers=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
             policy=policy,
-            acceptance=acceptance,
+            acceptance=self.acceptance,
             use_length_head=drafter is not None and policy.needs_length_head,
             use_accept_head=drafter is not None and getattr(policy, "needs_accept_head", False),
         )
         if self.spec.use_accept_head and not _has_accept_output(drafter):
             raise EngineError(_NO_ACCEPT_OUTPUT)
-        self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
-        self._tdef, self._tstate = nnx.split(target)
-        self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
 
     # ---- validation -----------------------------------------------------------------------
     def check_request(self, i: int, prompt: Sequence[int], max_new: int) -> None:

@@ -1,0 +1,193 @@
+"""Goodput's cost table measured on the engine's OWN jitted step, not on bare forwards.
+
+Dimensions: B slots, K block size, W verify width (a bucket).
+
+Why: the engine's step is more than a target forward plus a drafter forward — it samples,
+accepts, commits, appends the committed features to the drafter context and keeps its
+statistics, always over all B slots (finished and free slots ride along masked). Measured on
+the CPU, bare forwards put the width-1 verify at 2.1 ms while the engine's plain step took
+1.3 ms, and one draft + 8-wide verify at 5.8 ms while the engine's step took 6.7–8.4 ms
+(BENCHMARKS.md): ratios off by 2×, enough to make goodput draft where a plain step is faster.
+
+So the calibration runs the engine's `run_loop` over a few steps with calibration-only
+policies that force each case — an undrafted (plain) step, and a drafted step at each width
+W — through the same `lax.cond` and estimator as goodput, then writes a table with one row
+count (B: the step's cost does not depend on how many slots are active):
+
+    draft_ms   = step(drafted, W = 1) − step(undrafted)      (clamped at 0)
+    verify_ms[W] = step(drafted, W) − draft_ms               (so verify_ms[1] = step(undrafted))
+
+and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
+measured undrafted step. Each case compiles one loop program (|buckets| + 1 in all); the
+result is cached like the forward table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.policies import PolicyInput, accept_probs
+from adaflash_jax.decode.verify_cost import (
+    VerifyCostTable,
+    default_cache_dir,
+    device_kind,
+    model_key,
+)
+
+KIND = "engine-step/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForcedStep:
+    """Calibration-only policy: always drafts at `width` (or never drafts), computing the
+    same acceptance estimate goodput would, under the same `lax.cond`."""
+
+    width: int
+    draft: bool
+    estimator: str = "confidence"
+    name = "forced"
+    skip_draft = True
+
+    @property
+    def needs_length_head(self) -> bool:
+        return self.estimator == "length_head"
+
+    @property
+    def needs_accept_head(self) -> bool:
+        return self.estimator == "head"
+
+    def validate(self, **_):
+        pass
+
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets):
+        return jnp.asarray(self.draft)
+
+    def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        a_BxKm1 = accept_probs(inp, self.estimator, block_size)
+        return jnp.full(inp.active_B.shape, self.width, jnp.int32), a_BxKm1
+
+    def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
+        return self.decide(inp, block_size=block_size, buckets=buckets)[0]
+
+
+def _loop_ms(engine, spec, *, steps: int, repeats: int, seed: int) -> float:
+    """Median ms per step of `steps` loop iterations over all slots, each repeat from a fresh
+    prefill of random prompts (untimed) so every row stays active and inside the cache."""
+    b, cap, k = engine.slots, engine.capacity, engine.block_size
+    prompt_len = max(1, min(cap // 4, cap - k * (steps + 1)))
+    models = engine._models()
+    rng = np.random.default_rng(seed)
+    times = []
+    for rep in range(repeats + 1):  # the first pass compiles
+        state = sp.init_state(
+            engine.target,
+            engine.drafter,
+            slots=b,
+            capacity=cap,
+            eos_ids=(),  # no row may finish early: the loop must run all `steps`
+            temperature=engine.temperature,
+            top_p=engine.top_p,
+            seed=seed + rep,
+        )
+        prompts = rng.integers(0, engine.target.config.vocab_size, size=(b, prompt_len))
+        state = sp.prefill_slots(
+            *models,
+            state,
+            jnp.arange(b, dtype=jnp.int32),
+            jnp.asarray(prompts, jnp.int32),
+            jnp.full((b,), prompt_len, jnp.int32),
+            jnp.full((b,), cap - prompt_len - k, jnp.int32),
+            spec=spec,
+        )
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state, ran = sp.run_loop(
+            *models, state, jnp.asarray(False), jnp.asarray(steps, jnp.int32), spec=spec
+        )
+        ran = int(jax.device_get(ran))
+        elapsed = time.perf_counter() - t0
+        if ran != steps:
+            raise RuntimeError(f"calibration loop ran {ran} of {steps} steps")
+        if rep:
+            times.append(1e3 * elapsed / steps)
+    return float(np.median(times))
+
+
+def _case_ms(engine, policy: ForcedStep, **kw) -> float:
+    spec = dataclasses.replace(
+        engine.spec,
+        policy=policy,
+        use_length_head=policy.needs_length_head,
+        use_accept_head=policy.needs_accept_head,
+    )
+    return _loop_ms(engine, spec, **kw)
+
+
+def calibrate_engine(
+    engine, *, estimator: str = "confidence", steps: int = 8, repeats: int = 3, seed: int = 0
+) -> VerifyCostTable:
+    """The table for `engine` (its slots, capacity, buckets, sampling mode and models)."""
+    k = engine.block_size
+    steps = max(1, min(steps, (engine.capacity - 2) // (2 * k)))
+
+    def ms(policy) -> float:
+        return _case_ms(engine, policy, steps=steps, repeats=repeats, seed=seed)
+
+    plain = ms(ForcedStep(width=1, draft=False, estimator=estimator))
+    drafted = [ms(ForcedStep(width=w, draft=True, estimator=estimator)) for w in engine.buckets]
+    at_1 = drafted[0] if engine.buckets[0] == 1 else plain
+    draft = max(at_1 - plain, 0.0)
+    verify = tuple(max(d - draft, 1e-3) for d in drafted)
+    return VerifyCostTable(
+        rows=(engine.slots,),
+        widths=engine.buckets,
+        verify_ms=(verify,),
+        draft_ms=(draft,),
+        device=device_kind(),
+        model=f"{KIND} slots {engine.slots} capacity {engine.capacity} estimator {estimator} "
+        f"{'greedy' if engine.spec.greedy else 'sampled'}",
+    )
+
+
+def cache_path(engine, *, estimator: str, cache_dir: str | None = None) -> str:
+    import hashlib
+
+    key = json.dumps(
+        [
+            KIND,
+            device_kind(),
+            model_key(engine.target, engine.drafter),
+            engine.slots,
+            engine.buckets,
+            engine.capacity,
+            estimator,
+            engine.spec.greedy,
+            engine.spec.nucleus,
+        ]
+    )
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    kind = device_kind().replace(" ", "_").replace("/", "_").replace(":", "_")
+    return os.path.join(
+        cache_dir or default_cache_dir(), f"step-{kind}-s{engine.slots}-{digest}.json"
+    )
+
+
+def load_or_calibrate_engine(
+    engine, *, estimator: str = "confidence", cache_dir: str | None = None
+) -> VerifyCostTable:
+    """The cached engine-step table for this device, models and engine settings, else a
+    fresh calibration (then cached)."""
+    path = cache_path(engine, estimator=estimator, cache_dir=cache_dir)
+    if os.path.isfile(path):
+        return VerifyCostTable.load(path)
+    table = calibrate_engine(engine, estimator=estimator)
+    table.save(path)
+    return table
