@@ -39,6 +39,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--adaflash-threshold", type=int, default=48)
     p.add_argument("--goodput-estimator", default="confidence")
     p.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
+    p.add_argument(
+        "--goodput-costs",
+        choices=("engine", "forward"),
+        default="engine",
+        help="calibrate goodput on each engine's own step, or on bare forwards (fewer compiles)",
+    )
     p.add_argument("--buckets", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--requests-per-slot", type=float, default=1.0, help="requests >= this x c")
@@ -90,6 +96,7 @@ def main(argv=None) -> int:
             buckets=_ints(a.buckets),
             adaflash_threshold=a.adaflash_threshold,
             goodput_estimator=a.goodput_estimator,
+            goodput_costs=a.goodput_costs,
             repeats=a.repeats,
             requests_per_slot=a.requests_per_slot,
         )

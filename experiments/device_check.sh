@@ -58,8 +58,10 @@ else
   DISTILL_SETS=(data.train_per_domain=128 data.eval_per_domain=8 data.max_new_tokens=128
     stage1.steps=200 head_init.steps=30 stage2.steps_per_round=30 stage2.prompts_per_round=64
     checkpoint.every=100000)
+  # goodput's costs from the bench's bare-forward calibration: measuring each engine's own
+  # step (the CPU default) compiles |buckets| + 1 more loop programs per concurrency
   BENCH_ARGS=(--concurrency 128,64,32,1 --prompts-per-domain 16 --max-new-tokens 64
-    --max-prompt-len 64)
+    --max-prompt-len 64 --goodput-costs forward)
   SHAPE_ARGS=(--shape qwen3-8b --batches 1,128 --widths 1,4,16 --context 1024 --iters 5
     --draft-layers 5 --block-size 16)
   UNTRAINED=(--layers 3 --block-size 16)
@@ -102,8 +104,11 @@ for split, get in (('train', embedded.train_prompts), ('eval', embedded.eval_pro
       {k: r[k] for k in ('tau', 'summary', 'stage_seconds', 'wall_s')}, indent=1))" \
       2>&1 | tee -a "$LOG" || true
   fi
+  METHODS=plain,stage1:fixed,adaflash:fixed,adaflash:adaflash,adaflash:goodput
   if compgen -G "$RUN/export/*/config.json" >/dev/null; then
     BENCH_IN=(--run-dir "$RUN")
+    # distilled AdaFlash drafters carry the per-position acceptance output
+    METHODS+=,adaflash:goodput:estimator=head
   elif [[ -d "$RUN/ckpt/stage1" ]]; then
     log "distill did not finish: exporting its latest checkpoints"
     part export_stage1 60 "$PY" -m experiments.export "$RUN/ckpt/stage1" --out "$WORK/x/stage1"
@@ -121,7 +126,7 @@ for split, get in (('train', embedded.train_prompts), ('eval', embedded.eval_pro
 
   # 3. throughput vs concurrency (writes its outputs after every level)
   part benchmark "$B_BENCH" "$PY" -m experiments.benchmark "${BENCH_IN[@]}" --out "$BENCH" \
-    "${BENCH_ARGS[@]}"
+    --methods "$METHODS" "${BENCH_ARGS[@]}"
   for f in bench.json bench_traces.json bench.md throughput.png tau.png; do
     if [[ -f "$BENCH/$f" ]]; then cp "$BENCH/$f" "$OUT/$f"; fi
   done

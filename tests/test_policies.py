@@ -256,3 +256,16 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
     np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
     np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))
+
+
+def test_probe_interval_bounds_the_probe_overhead():
+    """Default interval: ceil((full-block drafted step − plain step) / (5% · plain step)),
+    within [1, max_probe_every]; an explicit probe_every wins."""
+    policy = GoodputPolicy(cost=TABLE)
+    # 1 row: plain 1.0 ms, drafted at K = 1.3 + 0.3 ms → 0.6 / 0.05 = 12 steps
+    assert int(policy.probe_interval(jnp.int32(1), BUCKETS)) == 12
+    # 16 rows: plain 2.0, drafted 11 + 1 → 10 / 0.1 = 100, capped at 64
+    assert int(policy.probe_interval(jnp.int32(16), BUCKETS)) == 64
+    assert int(GoodputPolicy(cost=TABLE, probe_every=3).probe_interval(1, BUCKETS)) == 3
+    loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)
+    assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 3

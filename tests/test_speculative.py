@@ -56,6 +56,13 @@ class TableDrafter(nnx.Module):
         advance = jnp.full_like(cache.lengths, t) if num_new_B is None else num_new_B
         return cache.with_lengths(cache.lengths + advance)
 
+    def context_entries(self, cache, features_BxTxnD):
+        b, t, _ = features_BxTxnD.shape
+        return (jnp.zeros((b, t, 1, 2)),), (jnp.zeros((b, t, 1, 2)),)
+
+    def write_context(self, cache, new_k, new_v, num_new_B):
+        return cache.with_lengths(cache.lengths + num_new_B)
+
     def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
         table, tok, drafts = self.table[...], bonus_B, []
         for _ in range(self.config.block_size - 1):

@@ -109,6 +109,9 @@ class BenchSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     adaflash_threshold: int = 48  # the reference rule acts only above this many running rows
     goodput_estimator: str = "confidence"
+    # "engine": goodput's costs measured on each engine's own step (|buckets| + 1 extra loop
+    # compiles per concurrency); "forward": the bench's bare-forward table (cheaper to get)
+    goodput_costs: str = "engine"
     repeats: int = 1
     requests_per_slot: float = 1.0  # a cell has max(prompts, ceil(this · c)) requests
     temperature: float = 0.0
@@ -124,6 +127,8 @@ class BenchSettings:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.requests_per_slot <= 0:
             raise BenchError(f"requests_per_slot must be > 0: {self.requests_per_slot}")
+        if self.goodput_costs not in ("engine", "forward"):
+            raise BenchError(f"goodput_costs must be engine or forward: {self.goodput_costs!r}")
         if self.adaflash_threshold < 0:
             raise BenchError(f"adaflash_threshold must be >= 0: {self.adaflash_threshold}")
 
@@ -259,6 +264,12 @@ class ThroughputBench:
                 )
         return self.cost_tables[name]
 
+    def goodput_table(self, m: Method) -> VerifyCostTable | None:
+        """A given table as it is; else the bare-forward one, or None: the engine measures."""
+        if m.drafter in self.given_tables:
+            return self.given_tables[m.drafter]
+        return self.cost_table(m.drafter) if self.settings.goodput_costs == "forward" else None
+
     def policy_kwargs(self, m: Method) -> dict:
         kw = {}
         if m.policy == "adaflash":
@@ -278,7 +289,7 @@ class ThroughputBench:
                 capacity=self.capacity,
                 buckets=self.settings.buckets,
                 policy=m.policy or "fixed",
-                cost_table=self.given_tables.get(m.drafter) if m.policy == "goodput" else None,
+                cost_table=self.goodput_table(m) if m.policy == "goodput" else None,
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,

@@ -14,8 +14,8 @@ arguments and each runs inside the jitted step.
 The "don't speculate" arm (goodput with `skip_draft`): before drafting, `speculate` compares
 the best expected rate of a draft + verify step against a plain target step (width 1, no
 drafter forward), using each row's acceptance estimate from its LATEST draft (stale by one or
-more steps; a fresh request starts at 1, and a forced probe every `probe_every` undrafted
-steps refreshes the estimates). That decision depends only on earlier steps, never on this
+more steps; a fresh request starts at 1, and a forced probe after `probe_interval`
+undrafted steps refreshes the estimates). That decision depends only on earlier steps, never on this
 step's samples, so it is lossless too; an undrafted step is exactly a plain decoding step.
 
 Acceptance estimators (per-position acceptance probability a_i, i = 1..K−1, of draft i given
@@ -156,7 +156,12 @@ class GoodputPolicy:
     cost: VerifyCostTable
     estimator: str = "confidence"
     skip_draft: bool = True
-    probe_every: int = 8  # undrafted steps in a row before a draft refreshes the estimates
+    # Undrafted steps in a row before a draft refreshes the estimates. None: as many as keep
+    # a probe's extra cost (a full-block drafted step instead of a plain one) within
+    # `probe_overhead` of the plain steps' time, capped at `max_probe_every`.
+    probe_every: int | None = None
+    probe_overhead: float = 0.05
+    max_probe_every: int = 64
     name = "goodput"
 
     @property
@@ -170,8 +175,13 @@ class GoodputPolicy:
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
             raise PolicyError(f"unknown estimator {self.estimator!r}; choose from {ESTIMATORS}")
-        if self.probe_every < 1:
+        if self.probe_every is not None and self.probe_every < 1:
             raise PolicyError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not self.probe_overhead > 0 or self.max_probe_every < 1:
+            raise PolicyError(
+                f"need probe_overhead > 0 and max_probe_every >= 1: {self.probe_overhead}, "
+                f"{self.max_probe_every}"
+            )
 
     def validate(self, *, buckets, slots, has_length_head):
         missing = [w for w in buckets if w not in self.cost.widths]
@@ -198,16 +208,26 @@ class GoodputPolicy:
     def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         return self.decide(inp, block_size=block_size, buckets=buckets)[0]
 
+    def probe_interval(self, num_running, buckets: tuple[int, ...]) -> jax.Array:
+        """Undrafted steps between probes (int32 scalar, traceable)."""
+        if self.probe_every is not None:
+            return jnp.asarray(self.probe_every, jnp.int32)
+        plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
+        extra_ms = self.cost.step_ms(num_running, (buckets[-1],))[0] - plain_ms
+        steps = jnp.ceil(extra_ms / (self.probe_overhead * plain_ms))
+        return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
+
     def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...]):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
         of draft + verify, from the rows' latest estimates, beats a plain width-1 step —
-        or `probe_every` undrafted steps ran in a row."""
+        or `probe_interval` undrafted steps ran in a row."""
         num_running = jnp.sum(active_B.astype(jnp.int32))
         gain_BxNW = expected_committed(accept_BxKm1, buckets)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
         drafted_rate = jnp.max(total_NW / self.cost.step_ms(num_running, buckets))
         plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
-        return (drafted_rate > plain_rate) | (undrafted >= self.probe_every)
+        probe = undrafted >= self.probe_interval(num_running, buckets)
+        return (drafted_rate > plain_rate) | probe
 
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")

@@ -171,6 +171,8 @@ class SpeculativeEngine:
         )
         if self.spec.use_accept_head and not _has_accept_output(drafter):
             raise EngineError(_NO_ACCEPT_OUTPUT)
+        self._undrafted_spec = dataclasses.replace(self.spec, undrafted_mode=True)
+        self._drafting = True
 
     # ---- validation -----------------------------------------------------------------------
     def check_request(self, i: int, prompt: Sequence[int], max_new: int) -> None:
@@ -228,13 +230,27 @@ class SpeculativeEngine:
         )
 
     def run(self, state, *, stop_on_finish: bool, max_steps: int = NO_LIMIT):
-        return sp.run_loop(
-            *self._models(),
-            state,
-            jnp.asarray(stop_on_finish),
-            jnp.asarray(max_steps, jnp.int32),
-            spec=self.spec,
-        )
+        """Device loops until no slot is active, `max_steps` ran or (if `stop_on_finish`) a
+        slot finished. A skip_draft policy's drafted and undrafted steps are two programs:
+        when a loop exits because the policy wants the other kind, the other one continues.
+        Returns (state, steps run, device loops called)."""
+        total, calls = 0, 0
+        while True:
+            spec = self._undrafted_spec if not self._drafting else self.spec
+            state, steps, finished, wants = sp.run_loop(
+                *self._models(),
+                state,
+                jnp.asarray(stop_on_finish),
+                jnp.asarray(max_steps - total, jnp.int32),
+                spec=spec,
+            )
+            steps, finished, wants, done_B = jax.device_get((steps, finished, wants, state.done_B))
+            total, calls = total + int(steps), calls + 1
+            switch = bool(wants) != self._drafting
+            stopped = (stop_on_finish and finished > 0) or bool(np.all(done_B))
+            if not switch or stopped or total >= max_steps:
+                return state, total, calls
+            self._drafting = bool(wants)
 
     # ---- host scheduler -------------------------------------------------------------------
     def generate(self, requests: Sequence[tuple[Sequence[int], int]], *, seed=None) -> list:
@@ -243,6 +259,7 @@ class SpeculativeEngine:
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
         state = self.init_state(self.seed if seed is None else seed)
+        self._drafting = True  # fresh requests start with an optimistic estimate: they draft
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index
@@ -256,9 +273,9 @@ class SpeculativeEngine:
                 starts.append((slot, *requests[i]))
             if starts:
                 state = self._prefill(state, starts)
-            state, steps = self.run(state, stop_on_finish=bool(queue))
-            done_B, steps = jax.device_get((state.done_B, steps))
-            loop_steps, calls = loop_steps + int(steps), calls + 1
+            state, steps, n_calls = self.run(state, stop_on_finish=bool(queue))
+            done_B = jax.device_get(state.done_B)
+            loop_steps, calls = loop_steps + steps, calls + n_calls
             finished = [slot for slot in owner if done_B[slot]]
             if finished:
                 self._harvest(state, finished, owner, results)

@@ -13,10 +13,12 @@ Invariants of a live slot b (one request):
   target cache back to old + n + 1 and appends the n + 1 verified positions' features to the
   drafter context.
 - Finished and free slots ride along masked: nothing they compute is committed.
-- A policy with a "don't speculate" arm (`skip_draft`) may skip the drafter for the whole
-  batch: the step then verifies width 1 (the bonus alone), i.e. it is a plain decoding step
-  that still appends the committed token's features to the drafter context. The step records
-  requested width 0 for such rows.
+- A policy with a "don't speculate" arm (`skip_draft`) runs two loop programs: drafted steps
+  (`EngineSpec.undrafted_mode` False) and undrafted ones (True): a plain decoding step that
+  also appends the committed token's features to the drafter context, recorded as requested
+  width 0. Each loop exits when the policy wants the other kind of step and the host
+  switches programs, so no step pays for a conditional around the drafter (nor for the cache
+  copies XLA makes around conditionally updated buffers).
 The plain path (`drafter is None`) uses the same state and scheduler with width 1.
 """
 
@@ -70,6 +72,7 @@ class EngineSpec:
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
     use_length_head: bool = False
     use_accept_head: bool = False  # policy reads `length_head.accept_probs` [B, K−1]
+    undrafted_mode: bool = False  # this program runs undrafted steps (skip_draft policies)
 
     @property
     def skip_draft(self) -> bool:
@@ -91,6 +94,7 @@ class EngineSpec:
             acceptance=None,
             use_length_head=False,
             use_accept_head=False,
+            undrafted_mode=False,
         )
 
     def top_p(self, s: SpecState):
@@ -178,24 +182,20 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
     return drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1
 
 
-def _no_draft(target, s: SpecState, spec: EngineSpec):
-    """The undrafted branch: no drafter forward; width 1 verifies the bonus alone. Same
-    outputs as `_draft` (the unused draft slots are zeros)."""
-    b, km1, v = s.bonus_B.shape[0], spec.block_size - 1, target.config.vocab_size
-    q_BxKm1xV = None if spec.greedy else jnp.zeros((b, km1, v), jnp.float32)
-    drafts_BxKm1 = jnp.zeros((b, km1), jnp.int32)
-    return drafts_BxKm1, q_BxKm1xV, jnp.ones((b,), jnp.int32), s.accept_est_BxKm1
-
-
-def _verify_accept(target, tokens_BxK, q_BxKm1xV, width_B, s: SpecState, spec, bucket_idx, key):
+def _verify_accept(
+    target, drafter, tokens_BxK, q_BxKm1xV, width_B, s: SpecState, spec, bucket_idx, key
+):
     """Target forward over the first W = buckets[bucket_idx] tokens and acceptance of their
     W − 1 drafts, inside one `lax.switch` branch per width: the logits never leave their
     branch (padding [B, W, V] to K and accepting over K positions would cost as much as the
     forward at small widths). The branches only read the cache; the new entries, padded to
     K, are written after the switch (in place; see `verify.py`).
 
-    Returns (accepted_B, bonus_B, features [B, K, nD] or None, target cache with the new
-    entries written but lengths unchanged)."""
+    The drafter-context entries of the (at most W) committed tokens are computed in the
+    branch too, over W positions only: a narrow or undrafted step does not project K.
+
+    Returns (accepted_B, bonus_B, target cache and drafter context cache with the new entries
+    written but lengths unchanged)."""
     k = spec.block_size
 
     def branch(w):
@@ -203,6 +203,7 @@ def _verify_accept(target, tokens_BxK, q_BxKm1xV, width_B, s: SpecState, spec, b
             logits, feats, new_k, new_v = verify_forward(
                 target, tokens_BxK[:, :w], cache, spec.feature_layers
             )
+            ctx_k, ctx_v = drafter.context_entries(s.context_cache, feats)
             q_BxWm1xV = None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1]
             accepted_B, bonus_B = spec.accept_fn(
                 key,
@@ -213,20 +214,23 @@ def _verify_accept(target, tokens_BxK, q_BxKm1xV, width_B, s: SpecState, spec, b
                 s.temperature,
                 spec.top_p(s),
             )
+
+            def pad(xs):
+                return tuple(pad_width(x, k) for x in xs)
+
             return (
                 accepted_B.astype(jnp.int32),
                 bonus_B.astype(jnp.int32),
-                None if feats is None else pad_width(feats, k),
-                tuple(pad_width(x, k) for x in new_k),
-                tuple(pad_width(x, k) for x in new_v),
+                (pad(new_k), pad(new_v)),
+                (pad(ctx_k), pad(ctx_v)),
             )
 
         return run
 
-    accepted_B, bonus_B, feats_BxKxnD, new_k, new_v = jax.lax.switch(
+    accepted_B, bonus_B, target_kv, ctx_kv = jax.lax.switch(
         bucket_idx, [branch(w) for w in spec.buckets], s.target_cache
     )
-    return accepted_B, bonus_B, feats_BxKxnD, write_new_entries(s.target_cache, new_k, new_v)
+    return accepted_B, bonus_B, write_new_entries(s.target_cache, *target_kv), ctx_kv
 
 
 def _commit(s: SpecState, tokens_BxK, n_commit_B, active_B) -> SpecState:
@@ -267,25 +271,14 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     if drafter is None:
         return _plain_step(target, s.replace(rng=rng), spec, key_accept)
-    if spec.skip_draft:
-        drafted = spec.policy.speculate(
-            s.accept_est_BxKm1, active_B, s.undrafted, buckets=spec.buckets
-        )
-        drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = jax.lax.cond(
-            drafted,
-            lambda: _draft(drafter, target, s, spec, key_draft),
-            lambda: _no_draft(target, s, spec),
-        )
-        undrafted = jnp.where(drafted, 0, s.undrafted + 1).astype(jnp.int32)
-    else:
-        drafted = jnp.asarray(True)
-        drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = _draft(drafter, target, s, spec, key_draft)
-        undrafted = s.undrafted
+    if spec.undrafted_mode:
+        return _undrafted_step(target, drafter, s.replace(rng=rng), spec, key_accept)
+    drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = _draft(drafter, target, s, spec, key_draft)
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket_idx = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
-    accepted_B, bonus_B, feats_BxKxnD, tcache = _verify_accept(
-        target, tokens_BxK, q_BxKm1xV, width_B, s, spec, bucket_idx, key_accept
+    accepted_B, bonus_B, tcache, (ctx_k, ctx_v) = _verify_accept(
+        target, drafter, tokens_BxK, q_BxKm1xV, width_B, s, spec, bucket_idx, key_accept
     )
     accepted_B = jnp.where(active_B, accepted_B, 0).astype(jnp.int32)
     n_commit_B = accepted_B + 1
@@ -294,13 +287,13 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
     advance_B = jnp.where(active_B, n_commit_B, 0)
     s = _commit(s, committed_BxK, n_commit_B, active_B)
-    s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], jnp.where(drafted, width_B, 0))
+    s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], width_B)
     return s.replace(
         target_cache=tcache.with_lengths(s.target_cache.lengths + advance_B),
-        context_cache=drafter.append_context(s.context_cache, feats_BxKxnD, advance_B),
+        context_cache=drafter.write_context(s.context_cache, ctx_k, ctx_v, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         accept_est_BxKm1=est_BxKm1,
-        undrafted=undrafted,
+        undrafted=jnp.zeros_like(s.undrafted),
         rng=rng,
     )
 
@@ -310,6 +303,29 @@ def _pick(key, logits_BxV, s: SpecState, spec: EngineSpec):
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     probs_BxV = acceptance.sampling_probs(logits_BxV, s.temperature, spec.top_p(s))
     return jax.random.categorical(key, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
+
+
+def _undrafted_step(target, drafter, s: SpecState, spec: EngineSpec, key) -> SpecState:
+    """A plain decoding step of a speculative engine: the target writes its cache in place,
+    and the committed token's features enter the drafter context (one position)."""
+    active_B = ~s.done_B
+    advance_B = active_B.astype(jnp.int32)
+    out = target(
+        s.bonus_B[:, None],
+        cache=s.target_cache,
+        num_new_B=advance_B,
+        feature_layers=spec.feature_layers,
+    )
+    tok_B = _pick(key, out.logits_BxTxV[:, 0].astype(jnp.float32), s, spec)
+    s = _commit(s, tok_B[:, None], jnp.ones_like(advance_B), active_B)
+    zeros_B = jnp.zeros_like(advance_B)
+    s = _record(s, active_B, zeros_B, 1, zeros_B)  # requested 0: undrafted
+    return s.replace(
+        target_cache=out.cache,
+        context_cache=drafter.append_context(s.context_cache, out.features_BxTxnD, advance_B),
+        bonus_B=jnp.where(active_B, tok_B, s.bonus_B),
+        undrafted=s.undrafted + 1,
+    )
 
 
 def _plain_step(target, s: SpecState, spec: EngineSpec, key) -> SpecState:
@@ -382,12 +398,22 @@ def _models(tdef, tstate, ddef, dstate):
     return nnx.merge(tdef, tstate), (None if ddef is None else nnx.merge(ddef, dstate))
 
 
+def wants_draft(drafter, s: SpecState, spec: EngineSpec):
+    """Whether the next step should draft (bool scalar): the skip_draft policy's choice, made
+    from earlier steps only; always True otherwise (and on the plain path)."""
+    if drafter is None or not spec.skip_draft:
+        return jnp.asarray(True)
+    return spec.policy.speculate(s.accept_est_BxKm1, ~s.done_B, s.undrafted, buckets=spec.buckets)
+
+
 def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
     target, drafter = _models(tdef, tstate, ddef, dstate)
+    drafting = not spec.undrafted_mode
 
     def cond(carry):
         s, it, finished = carry
-        return jnp.any(~s.done_B) & (it < max_steps) & ~(stop_on_finish & (finished > 0))
+        go = jnp.any(~s.done_B) & (it < max_steps) & ~(stop_on_finish & (finished > 0))
+        return go & (wants_draft(drafter, s, spec) == drafting)
 
     def body(carry):
         s, it, finished = carry
@@ -395,8 +421,8 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         s = spec_step(target, drafter, s, spec)
         return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
 
-    s, steps, _ = jax.lax.while_loop(cond, body, (s, jnp.int32(0), jnp.int32(0)))
-    return s, steps
+    s, steps, finished = jax.lax.while_loop(cond, body, (s, jnp.int32(0), jnp.int32(0)))
+    return s, steps, finished, wants_draft(drafter, s, spec)
 
 
 def _step(tdef, tstate, ddef, dstate, s, *, spec):
@@ -424,8 +450,9 @@ def jitted(name: str):
 
 
 def run_loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
-    """Steps until no slot is active, `max_steps` ran, or (if `stop_on_finish`) a slot
-    finished. Returns (state, steps run)."""
+    """Steps until no slot is active, `max_steps` ran, (if `stop_on_finish`) a slot finished,
+    or the policy wants the other kind of step than this program runs (skip_draft).
+    Returns (state, steps run, slots finished, wants_draft for the next step)."""
     return jitted("run_loop")(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, spec=spec)
 
 

@@ -10,8 +10,8 @@ the CPU, bare forwards put the width-1 verify at 2.1 ms while the engine's plain
 (BENCHMARKS.md): ratios off by 2×, enough to make goodput draft where a plain step is faster.
 
 So the calibration runs the engine's `run_loop` over a few steps with calibration-only
-policies that force each case — an undrafted (plain) step, and a drafted step at each width
-W — through the same `lax.cond` and estimator as goodput, then writes a table with one row
+policies that force each case — the undrafted (plain) loop program, and the drafted one at
+each width W, computing the same estimator as goodput — then writes a table with one row
 count (B: the step's cost does not depend on how many slots are active):
 
     draft_ms   = step(drafted, W = 1) − step(undrafted)      (clamped at 0)
@@ -48,7 +48,7 @@ KIND = "engine-step/1"
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ForcedStep:
     """Calibration-only policy: always drafts at `width` (or never drafts), computing the
-    same acceptance estimate goodput would, under the same `lax.cond`."""
+    same acceptance estimate goodput would."""
 
     width: int
     draft: bool
@@ -109,7 +109,7 @@ def _loop_ms(engine, spec, *, steps: int, repeats: int, seed: int) -> float:
         )
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        state, ran = sp.run_loop(
+        state, ran, _, _ = sp.run_loop(
             *models, state, jnp.asarray(False), jnp.asarray(steps, jnp.int32), spec=spec
         )
         ran = int(jax.device_get(ran))
@@ -127,6 +127,7 @@ def _case_ms(engine, policy: ForcedStep, **kw) -> float:
         policy=policy,
         use_length_head=policy.needs_length_head,
         use_accept_head=policy.needs_accept_head,
+        undrafted_mode=not policy.draft,
     )
     return _loop_ms(engine, spec, **kw)
 

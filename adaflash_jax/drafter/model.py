@@ -114,21 +114,36 @@ class Drafter(nnx.Module):
             dtype=dtype or self.dtype,
         )
 
+    def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
+        """Every layer's context keys/values [B, T, Kv, Dh] for T newly committed tokens at
+        positions lengths + t, WITHOUT writing them (the engine computes them inside a verify
+        branch, over that branch's width only, and writes outside it)."""
+        t = features_BxTxnD.shape[1]
+        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        ctx_BxTxD = self.fuse(features_BxTxnD)
+        kv = [layer.self_attn.keys_values(ctx_BxTxD, positions_BxT) for layer in self.layers]
+        return tuple(k for k, _ in kv), tuple(v for _, v in kv)
+
+    def write_context(self, cache: KVCache, new_k, new_v, num_new_B) -> KVCache:
+        """Writes `context_entries` at positions lengths + t and commits `num_new_B` of them
+        (entries past that are written but stay masked)."""
+        t = new_k[0].shape[1]
+        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        return KVCache(
+            k=tuple(write_rows(c, n, positions_BxT) for c, n in zip(cache.k, new_k)),
+            v=tuple(write_rows(c, n, positions_BxT) for c, n in zip(cache.v, new_v)),
+            lengths=cache.lengths + num_new_B,
+        )
+
     def append_context(self, cache: KVCache, features_BxTxnD, num_new_B=None) -> KVCache:
         """Projects newly committed tokens' features into every layer's context K/V.
 
         Entries past `num_new_B[b]` are written but not committed (stale slots are masked).
         """
         b, t, _ = features_BxTxnD.shape
-        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        ctx_BxTxD = self.fuse(features_BxTxnD)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx_BxTxD, positions_BxT)
-            new_k.append(write_rows(cache.k[i], k, positions_BxT))
-            new_v.append(write_rows(cache.v[i], v, positions_BxT))
         advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
-        return KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + advance)
+        new_k, new_v = self.context_entries(cache, features_BxTxnD)
+        return self.write_context(cache, new_k, new_v, advance)
 
     # ---- serving: one block per row --------------------------------------------------------
     def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
