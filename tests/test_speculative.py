@@ -327,3 +327,46 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         again = engine.generate(_requests())
         assert [r.output_ids for r in again] == reference["plain"]
         assert sp.compiled_programs() == warm
+
+
+def test_context_stays_in_sync_across_drafted_and_undrafted_steps(target, drafter):
+    """After a run mixing drafted and undrafted steps, the drafter context holds exactly the
+    target features of every committed token, as if appended from scratch."""
+    policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
+    engine = SpeculativeEngine(
+        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
+    )
+    prompt, max_new = PROMPTS[1], 20
+    state = engine.init_state(0)
+    engine._drafting = True
+    state = engine._prefill(state, [(0, prompt, max_new)])
+    state, steps, calls = engine.run(state, stop_on_finish=False)
+    assert calls > 2, "the run should switch between the drafted and undrafted programs"
+    requested = np.asarray(state.request_BxC[0, :steps])
+    assert (requested == 0).any() and (requested > 0).any(), requested
+    out = np.asarray(state.out_BxC[0, : int(state.num_out_B[0])]).tolist()
+    # every committed token but the last (the bonus: its features come with the next step)
+    seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
+    n = seq.shape[1]
+    assert int(state.context_cache.lengths[0]) == n
+    feats = target(seq, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
+    ref = drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats)
+    for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
+        np.testing.assert_allclose(got[0, :n], want[0, :n], atol=2e-5, rtol=1e-4)
+
+
+def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):
+    """Drafted steps move the prior (an EMA of drafted rows' estimates) away from 1; a request
+    admitted later starts its estimate there instead of at 1."""
+    policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
+    )
+    state = engine.init_state(0)
+    np.testing.assert_array_equal(state.accept_prior_Km1, np.ones(3))
+    state = engine._prefill(state, [(0, PROMPTS[0], 12)])
+    state, _, _ = engine.run(state, stop_on_finish=False)
+    prior = np.asarray(state.accept_prior_Km1)
+    assert np.all((prior >= 0) & (prior < 0.99)), prior  # a random drafter is unsure
+    state = engine._prefill(state, [(1, PROMPTS[1], 5)])
+    np.testing.assert_allclose(state.accept_est_BxKm1[1], prior)

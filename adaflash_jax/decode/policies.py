@@ -14,8 +14,9 @@ arguments and each runs inside the jitted step.
 The "don't speculate" arm (goodput with `skip_draft`): before drafting, `speculate` compares
 the best expected rate of a draft + verify step against a plain target step (width 1, no
 drafter forward), using each row's acceptance estimate from its LATEST draft (stale by one or
-more steps; a fresh request starts at 1, and a forced probe after `probe_interval`
-undrafted steps refreshes the estimates). That decision depends only on earlier steps, never on this
+more steps; a fresh request starts at the engine's running mean of drafted rows' estimates
+(1 before any draft), and a forced probe after `probe_interval` undrafted steps refreshes
+the estimates). That decision depends only on earlier steps, never on this
 step's samples, so it is lossless too; an undrafted step is exactly a plain decoding step.
 
 Acceptance estimators (per-position acceptance probability a_i, i = 1..K−1, of draft i given

@@ -37,6 +37,8 @@ from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
 from adaflash_jax.decode.verify import pad_width, verify_forward, write_new_entries
 from adaflash_jax.model.kv_cache import KVCache
 
+PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
+
 
 @struct.dataclass
 class SpecState:
@@ -53,6 +55,7 @@ class SpecState:
     width_BxC: jax.Array  # int32 batch verify width (bucket) per step
     request_BxC: jax.Array  # int32 the row's requested width per step (0: undrafted step)
     accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
+    accept_prior_Km1: jax.Array  # float32 a fresh request's estimate: EMA of drafted rows'
     undrafted: jax.Array  # int32 scalar: undrafted steps in a row (skip_draft policies)
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
@@ -134,6 +137,7 @@ def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p,
         width_BxC=zeros_BxC,
         request_BxC=zeros_BxC,
         accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
+        accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
         undrafted=jnp.zeros((), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
         top_p=jnp.asarray(top_p, jnp.float32),
@@ -170,16 +174,25 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
     )
-    est_BxKm1 = s.accept_est_BxKm1
+    est_BxKm1, prior_Km1 = s.accept_est_BxKm1, s.accept_prior_Km1
     if spec.skip_draft:
         width_B, fresh_BxKm1 = spec.policy.decide(
             inp, block_size=spec.block_size, buckets=spec.buckets
         )
         est_BxKm1 = jnp.where(active_B[:, None], fresh_BxKm1, est_BxKm1)
+        # the engine's recent experience, for requests it has not drafted for yet: starting
+        # them at 1 would force a draft on admission even where drafting never pays
+        n = jnp.sum(active_B)
+        mean_Km1 = jnp.sum(jnp.where(active_B[:, None], fresh_BxKm1, 0.0), axis=0) / jnp.maximum(
+            n, 1
+        )
+        prior_Km1 = jnp.where(
+            n > 0, (1.0 - PRIOR_RATE) * prior_Km1 + PRIOR_RATE * mean_Km1, prior_Km1
+        )
     else:
         width_B = spec.policy.widths(inp, block_size=spec.block_size, buckets=spec.buckets)
     width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
-    return drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1
+    return drafts_BxKm1, q_BxKm1xV, width_B, (est_BxKm1, prior_Km1)
 
 
 def _verify_accept(
@@ -273,7 +286,9 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         return _plain_step(target, s.replace(rng=rng), spec, key_accept)
     if spec.undrafted_mode:
         return _undrafted_step(target, drafter, s.replace(rng=rng), spec, key_accept)
-    drafts_BxKm1, q_BxKm1xV, width_B, est_BxKm1 = _draft(drafter, target, s, spec, key_draft)
+    drafts_BxKm1, q_BxKm1xV, width_B, (est_BxKm1, prior_Km1) = _draft(
+        drafter, target, s, spec, key_draft
+    )
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket_idx = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
@@ -293,6 +308,7 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         context_cache=drafter.write_context(s.context_cache, ctx_k, ctx_v, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         accept_est_BxKm1=est_BxKm1,
+        accept_prior_Km1=prior_Km1,
         undrafted=jnp.zeros_like(s.undrafted),
         rng=rng,
     )
@@ -384,7 +400,9 @@ def prefill(target, drafter, s: SpecState, slots_R, prompt_RxP, prompt_len_R, ma
         width_BxC=_scatter_rows(s.width_BxC, blank_RxC, slots_R),
         request_BxC=_scatter_rows(s.request_BxC, blank_RxC, slots_R),
         accept_est_BxKm1=_scatter_rows(
-            s.accept_est_BxKm1, jnp.ones((r, s.accept_est_BxKm1.shape[1]), jnp.float32), slots_R
+            s.accept_est_BxKm1,
+            jnp.broadcast_to(s.accept_prior_Km1, (r, s.accept_prior_Km1.shape[0])),
+            slots_R,
         ),
         rng=rng,
     )
