@@ -42,7 +42,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/3"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/4"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,47 +78,43 @@ class ForcedStep:
         return self.decide(inp, block_size=block_size, buckets=buckets)[0]
 
 
-def _loop_ms(engine, spec, *, steps: int, repeats: int, seed: int) -> float:
-    """Median ms per step of `steps` loop iterations over all slots, each repeat from a fresh
-    prefill of random prompts (untimed) so every row stays active and inside the cache."""
+def _loop_ms(engine, spec, *, steps: int, seed: int) -> float:
+    """ms per step of `steps` loop iterations over all slots, from a fresh prefill of random
+    prompts (untimed) so every row stays active and inside the cache."""
     b, cap, k = engine.slots, engine.capacity, engine.block_size
     prompt_len = max(1, min(cap // 4, cap - k * (steps + 1)))
     models = engine._models()
     rng = np.random.default_rng(seed)
-    times = []
-    for rep in range(repeats + 1):  # the first pass compiles
-        state = sp.init_state(
-            engine.target,
-            engine.drafter,
-            slots=b,
-            capacity=cap,
-            eos_ids=(),  # no row may finish early: the loop must run all `steps`
-            temperature=engine.temperature,
-            top_p=engine.top_p,
-            seed=seed + rep,
-        )
-        prompts = rng.integers(0, engine.target.config.vocab_size, size=(b, prompt_len))
-        state = sp.prefill_slots(
-            *models,
-            state,
-            jnp.arange(b, dtype=jnp.int32),
-            jnp.asarray(prompts, jnp.int32),
-            jnp.full((b,), prompt_len, jnp.int32),
-            jnp.full((b,), cap - prompt_len - k, jnp.int32),
-            spec=spec,
-        )
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state, ran, _, _ = sp.run_loop(
-            *models, state, jnp.asarray(False), jnp.asarray(steps, jnp.int32), spec=spec
-        )
-        ran = int(jax.device_get(ran))
-        elapsed = time.perf_counter() - t0
-        if ran != steps:
-            raise RuntimeError(f"calibration loop ran {ran} of {steps} steps")
-        if rep:
-            times.append(1e3 * elapsed / steps)
-    return float(np.median(times))
+    state = sp.init_state(
+        engine.target,
+        engine.drafter,
+        slots=b,
+        capacity=cap,
+        eos_ids=(),  # no row may finish early: the loop must run all `steps`
+        temperature=engine.temperature,
+        top_p=engine.top_p,
+        seed=seed,
+    )
+    prompts = rng.integers(0, engine.target.config.vocab_size, size=(b, prompt_len))
+    state = sp.prefill_slots(
+        *models,
+        state,
+        jnp.arange(b, dtype=jnp.int32),
+        jnp.asarray(prompts, jnp.int32),
+        jnp.full((b,), prompt_len, jnp.int32),
+        jnp.full((b,), cap - prompt_len - k, jnp.int32),
+        spec=spec,
+    )
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state, ran, _, _ = sp.run_loop(
+        *models, state, jnp.asarray(False), jnp.asarray(steps, jnp.int32), spec=spec
+    )
+    ran = int(jax.device_get(ran))
+    elapsed = time.perf_counter() - t0
+    if ran != steps:
+        raise RuntimeError(f"calibration loop ran {ran} of {steps} steps")
+    return 1e3 * elapsed / steps
 
 
 def _case_ms(engine, policy: ForcedStep, **kw) -> float:
@@ -133,17 +129,24 @@ def _case_ms(engine, policy: ForcedStep, **kw) -> float:
 
 
 def calibrate_engine(
-    engine, *, estimator: str = "confidence", steps: int = 16, repeats: int = 5, seed: int = 0
+    engine, *, estimator: str = "confidence", steps: int = 16, rounds: int = 6, seed: int = 0
 ) -> VerifyCostTable:
-    """The table for `engine` (its slots, capacity, buckets, sampling mode and models)."""
+    """The table for `engine` (its slots, capacity, buckets, sampling mode and models).
+
+    Every case is timed once per round, rounds interleaved (a machine whose speed drifts
+    slows all cases alike), after one compiling round; a case's cost is its fastest round
+    (interference only ever adds time)."""
     k = engine.block_size
     steps = max(1, min(steps, (engine.capacity - 2) // (2 * k)))
-
-    def ms(policy) -> float:
-        return _case_ms(engine, policy, steps=steps, repeats=repeats, seed=seed)
-
-    plain = ms(ForcedStep(width=1, draft=False, estimator=estimator))
-    drafted = [ms(ForcedStep(width=w, draft=True, estimator=estimator)) for w in engine.buckets]
+    cases = [ForcedStep(width=1, draft=False, estimator=estimator)]
+    cases += [ForcedStep(width=w, draft=True, estimator=estimator) for w in engine.buckets]
+    times = [[] for _ in cases]
+    for r in range(rounds + 1):
+        for i, case in enumerate(cases):
+            ms = _case_ms(engine, case, steps=steps, seed=seed + r)
+            if r:  # round 0 compiles
+                times[i].append(ms)
+    plain, *drafted = (min(t) for t in times)
     at_1 = drafted[0] if engine.buckets[0] == 1 else plain
     draft = max(at_1 - plain, 0.0)
     verify = tuple(max(d - draft, 1e-3) for d in drafted)
