@@ -269,3 +269,36 @@ def test_probe_interval_bounds_the_probe_overhead():
     assert int(GoodputPolicy(cost=TABLE, probe_every=3).probe_interval(1, BUCKETS)) == 3
     loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)
     assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 3
+
+
+def test_acceptance_scale_corrects_an_underconfident_estimator():
+    """The engine's realised/predicted ratio scales the expected accepted drafts, capped at
+    W − 1: an estimator that predicts half of what is realised gets doubled."""
+    a = jnp.full((2, K - 1), 0.5)
+    base = np.asarray(policies.expected_committed(a, BUCKETS))
+    scaled = np.asarray(policies.expected_committed(a, BUCKETS, 2.0))
+    np.testing.assert_allclose(scaled - 1, np.minimum(2 * (base - 1), np.asarray(BUCKETS) - 1))
+    np.testing.assert_allclose(
+        np.asarray(policies.expected_accepted(a, jnp.array([1, 4]))), [0.0, 0.875]
+    )
+    s = sp.init_state(
+        TargetLM(TINY_T, rngs=nnx.Rngs(0)), None, slots=2, capacity=8, eos_ids=(),
+        temperature=0.0, top_p=1.0, seed=0,
+    )  # fmt: skip
+    s = s.replace(accept_calib_2=jnp.array([2.0, 1.0]))
+    assert float(sp.accept_scale(s)) == 2.0
+    s = s.replace(accept_calib_2=jnp.array([50.0, 1.0]))
+    assert float(sp.accept_scale(s)) == 4.0  # clipped
+    est = jnp.full((2, 3), 0.5)
+    s = s.replace(accept_calib_2=jnp.array([1.0, 1.0]))
+    new = np.asarray(
+        sp._calibrate(s, est, jnp.array([4, 2]), jnp.array([3, 1]), jnp.array([True, False]))
+    )
+    # only the active row counts: realised 3, predicted 0.5 + 0.25 + 0.125 at width 4
+    np.testing.assert_allclose(new, [0.9 + 0.1 * 3, 0.9 + 0.1 * 0.875], rtol=1e-6)
+
+
+TINY_T = TargetConfig(
+    vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+)  # fmt: skip

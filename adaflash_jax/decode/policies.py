@@ -58,6 +58,8 @@ class PolicyInput:
     head_accept_BxKm1: jax.Array | None  # per-position acceptance from a head, if any
     active_B: jax.Array  # bool: slot holds an unfinished request
     num_running: jax.Array  # int32 scalar: active slots this step
+    # realised / predicted accepted drafts of recent steps (1 = trust the estimator)
+    accept_scale: jax.Array | float = 1.0
 
 
 # ---- acceptance estimators -----------------------------------------------------------------
@@ -99,19 +101,33 @@ def accept_probs(inp: PolicyInput, estimator: str, block_size: int) -> jax.Array
     return inp.head_accept_BxKm1.astype(jnp.float32)
 
 
-def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...]) -> jax.Array:
-    """E[committed tokens | verify width W] = 1 + Σ_{i=1}^{W−1} Π_{j<=i} a_j → [B, NW]."""
+def expected_accepted(accept_BxKm1: jax.Array, widths_W) -> jax.Array:
+    """E[accepted drafts | width W] = Σ_{i=1}^{W−1} Π_{j<=i} a_j for each W in `widths_W`
+    (a tuple → [B, NW]; an int array [B] → [B], one width per row)."""
     survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
     zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
     partial_BxK = jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
-    return 1.0 + partial_BxK[:, jnp.asarray(widths) - 1]
+    if isinstance(widths_W, tuple):
+        return partial_BxK[:, jnp.asarray(widths_W) - 1]
+    return jnp.take_along_axis(partial_BxK, (widths_W - 1)[:, None], axis=1)[:, 0]
+
+
+def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], scale=1.0):
+    """E[committed tokens | verify width W] = 1 + scale · E[accepted | W], capped at W
+    → [B, NW]. `scale` corrects a mis-calibrated estimator from realised acceptance."""
+    accepted_BxNW = scale * expected_accepted(accept_BxKm1, widths)
+    return 1.0 + jnp.minimum(accepted_BxNW, jnp.asarray(widths, jnp.float32) - 1.0)
 
 
 def best_width_index(
-    accept_BxKm1: jax.Array, active_B: jax.Array, step_ms_NW: jax.Array, widths: tuple[int, ...]
+    accept_BxKm1: jax.Array,
+    active_B: jax.Array,
+    step_ms_NW: jax.Array,
+    widths: tuple[int, ...],
+    scale=1.0,
 ) -> jax.Array:
     """Index of the width maximising Σ_active E[committed | W] / step_ms(W) (ties → narrower)."""
-    gain_BxNW = expected_committed(accept_BxKm1, widths)
+    gain_BxNW = expected_committed(accept_BxKm1, widths, scale)
     total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
     return jnp.argmax(total_NW / step_ms_NW).astype(jnp.int32)
 
@@ -202,7 +218,7 @@ class GoodputPolicy:
         """(width_B, acceptance estimate [B, K−1]) of a drafted step."""
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)
         step_ms_NW = self.cost.step_ms(inp.num_running, buckets)
-        idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets)
+        idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets, inp.accept_scale)
         width_B = jnp.full(inp.active_B.shape, jnp.asarray(buckets, jnp.int32)[idx], jnp.int32)
         return width_B, a_BxKm1
 
@@ -218,12 +234,12 @@ class GoodputPolicy:
         steps = jnp.ceil(extra_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...]):
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...], scale=1.0):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
         of draft + verify, from the rows' latest estimates, beats a plain width-1 step —
         or `probe_interval` undrafted steps ran in a row."""
         num_running = jnp.sum(active_B.astype(jnp.int32))
-        gain_BxNW = expected_committed(accept_BxKm1, buckets)
+        gain_BxNW = expected_committed(accept_BxKm1, buckets, scale)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
         drafted_rate = jnp.max(total_NW / self.cost.step_ms(num_running, buckets))
         plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]

@@ -33,11 +33,12 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from adaflash_jax.decode import acceptance
-from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
+from adaflash_jax.decode.policies import FixedPolicy, PolicyInput, expected_accepted
 from adaflash_jax.decode.verify import pad_width, verify_forward, write_new_entries
 from adaflash_jax.model.kv_cache import KVCache
 
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
+CALIB_RATE = 0.1  # EMA weight of one drafted step in the realised / predicted acceptance
 
 
 @struct.dataclass
@@ -56,6 +57,7 @@ class SpecState:
     request_BxC: jax.Array  # int32 the row's requested width per step (0: undrafted step)
     accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
     accept_prior_Km1: jax.Array  # float32 a fresh request's estimate: EMA of drafted rows'
+    accept_calib_2: jax.Array  # float32 EMA of (realised, predicted) accepted drafts per row
     undrafted: jax.Array  # int32 scalar: undrafted steps in a row (skip_draft policies)
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
@@ -138,6 +140,7 @@ def init_state(target, drafter, *, slots, capacity, eos_ids, temperature, top_p,
         request_BxC=zeros_BxC,
         accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
         accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
+        accept_calib_2=jnp.ones((2,), jnp.float32),
         undrafted=jnp.zeros((), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
         top_p=jnp.asarray(top_p, jnp.float32),
@@ -173,6 +176,7 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         ),
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
+        accept_scale=accept_scale(s) if spec.skip_draft else 1.0,
     )
     est_BxKm1, prior_Km1 = s.accept_est_BxKm1, s.accept_prior_Km1
     if spec.skip_draft:
@@ -309,8 +313,37 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         accept_est_BxKm1=est_BxKm1,
         accept_prior_Km1=prior_Km1,
+        accept_calib_2=(
+            _calibrate(s, est_BxKm1, width_B, accepted_B, active_B)
+            if spec.skip_draft
+            else s.accept_calib_2
+        ),
         undrafted=jnp.zeros_like(s.undrafted),
         rng=rng,
+    )
+
+
+def accept_scale(s: SpecState) -> jax.Array:
+    """Realised / predicted accepted drafts of recent drafted steps, in [1/4, 4]: corrects an
+    estimator that is systematically over- or under-confident (past steps only: lossless)."""
+    realised, predicted = s.accept_calib_2[0], s.accept_calib_2[1]
+    return jnp.clip(realised / jnp.maximum(predicted, 1e-3), 0.25, 4.0)
+
+
+def _calibrate(s: SpecState, est_BxKm1, width_B, accepted_B, active_B) -> jax.Array:
+    """EMA update of (realised, predicted) accepted drafts per active row, at the widths the
+    rows verified (both capped there, so they compare like with like)."""
+    n = jnp.maximum(jnp.sum(active_B), 1)
+    predicted_B = expected_accepted(est_BxKm1, width_B)
+    now_2 = jnp.stack(
+        [
+            jnp.sum(jnp.where(active_B, accepted_B, 0)).astype(jnp.float32) / n,
+            jnp.sum(jnp.where(active_B, predicted_B, 0.0)) / n,
+        ]
+    )
+    fresh = jnp.any(active_B)
+    return jnp.where(
+        fresh, (1.0 - CALIB_RATE) * s.accept_calib_2 + CALIB_RATE * now_2, s.accept_calib_2
     )
 
 
@@ -421,7 +454,9 @@ def wants_draft(drafter, s: SpecState, spec: EngineSpec):
     from earlier steps only; always True otherwise (and on the plain path)."""
     if drafter is None or not spec.skip_draft:
         return jnp.asarray(True)
-    return spec.policy.speculate(s.accept_est_BxKm1, ~s.done_B, s.undrafted, buckets=spec.buckets)
+    return spec.policy.speculate(
+        s.accept_est_BxKm1, ~s.done_B, s.undrafted, buckets=spec.buckets, scale=accept_scale(s)
+    )
 
 
 def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):

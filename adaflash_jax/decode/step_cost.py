@@ -67,7 +67,7 @@ class ForcedStep:
     def validate(self, **_):
         pass
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets):
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0):
         return jnp.asarray(self.draft)
 
     def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
