@@ -13,26 +13,12 @@ from flax import nnx
 
 from adaflash_jax.distill import steps
 from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.context import run_drafter_config
 from adaflash_jax.distill.state import abstract_drafter
-from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.train.optimizer import OptimizerConfig
 from adaflash_jax.train.state import TrainState
-
-
-def run_drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int | None = None):
-    d = cfg.draft
-    return DrafterConfig.for_target(
-        target,
-        mask_token_id=d.mask_token_id if mask_token_id is None else mask_token_id,
-        num_layers=d.layers,
-        block_size=d.block_size,
-        num_features=d.num_features,
-        target_layer_ids=d.target_layer_ids,
-        length_head=True,
-        accept_dim=d.accept_dim,
-    )
 
 
 def abstract_stage2_state(cfg: RunConfig, target: TargetConfig) -> TrainState:

@@ -70,6 +70,21 @@ def _target_dir(cfg: RunConfig, progress: bool) -> str:
     return default_target_dir(cfg.embedded_preset, progress=progress)
 
 
+def run_drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int | None = None):
+    """The fresh drafter a run trains (`draft.*` fields; DFlash shape of the target)."""
+    d = cfg.draft
+    return DrafterConfig.for_target(
+        target,
+        mask_token_id=d.mask_token_id if mask_token_id is None else mask_token_id,
+        num_layers=d.layers,
+        block_size=d.block_size,
+        num_features=d.num_features,
+        target_layer_ids=d.target_layer_ids,
+        length_head=True,
+        accept_dim=d.accept_dim,
+    )
+
+
 def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) -> DrafterConfig:
     d = cfg.draft
     if d.init_from is not None:
@@ -96,16 +111,7 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
             )
         dcfg = config_from_hf(raw, with_length_head=True, accept_dim=accept)
     else:
-        dcfg = DrafterConfig.for_target(
-            target,
-            mask_token_id=mask_token_id,
-            num_layers=d.layers,
-            block_size=d.block_size,
-            num_features=d.num_features,
-            target_layer_ids=d.target_layer_ids,
-            length_head=True,
-            accept_dim=d.accept_dim,
-        )
+        dcfg = run_drafter_config(cfg, target, mask_token_id)
     try:
         dcfg.validate_against(target)
     except ConfigError as e:
