@@ -165,8 +165,22 @@ class AdaFlashPolicy:
         return jnp.where(inp.num_running > self.threshold, head_B, block_size).astype(jnp.int32)
 
 
+class ReadsEstimator:
+    """What a policy with an `estimator` field needs from the drafter's head."""
+
+    estimator: str
+
+    @property
+    def needs_length_head(self) -> bool:
+        return self.estimator == "length_head"
+
+    @property
+    def needs_accept_head(self) -> bool:
+        return self.estimator == "head"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GoodputPolicy:
+class GoodputPolicy(ReadsEstimator):
     """One batch width per step maximising expected committed tokens per millisecond; with
     `skip_draft`, also a plain (undrafted) step when drafting is not expected to pay."""
 
@@ -180,14 +194,6 @@ class GoodputPolicy:
     probe_overhead: float = 0.05
     max_probe_every: int = 64
     name = "goodput"
-
-    @property
-    def needs_length_head(self) -> bool:
-        return self.estimator == "length_head"
-
-    @property
-    def needs_accept_head(self) -> bool:
-        return self.estimator == "head"
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:

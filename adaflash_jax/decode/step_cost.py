@@ -25,8 +25,6 @@ result is cached like the forward table.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 
 import jax
@@ -34,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.decode import speculative as sp
-from adaflash_jax.decode.policies import PolicyInput, accept_probs
+from adaflash_jax.decode.policies import PolicyInput, ReadsEstimator, accept_probs
 from adaflash_jax.decode.verify_cost import (
     VerifyCostTable,
-    default_cache_dir,
+    cached_table,
     device_kind,
+    keyed_path,
     model_key,
 )
 
@@ -46,7 +45,7 @@ KIND = "engine-step/4"  # bump when the step program changes: cached tables go s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ForcedStep:
+class ForcedStep(ReadsEstimator):
     """Calibration-only policy: always drafts at `width` (or never drafts), computing the
     same acceptance estimate goodput would."""
 
@@ -55,14 +54,6 @@ class ForcedStep:
     estimator: str = "confidence"
     name = "forced"
     skip_draft = True
-
-    @property
-    def needs_length_head(self) -> bool:
-        return self.estimator == "length_head"
-
-    @property
-    def needs_accept_head(self) -> bool:
-        return self.estimator == "head"
 
     def validate(self, **_):
         pass
@@ -162,26 +153,17 @@ def calibrate_engine(
 
 
 def cache_path(engine, *, estimator: str, cache_dir: str | None = None) -> str:
-    import hashlib
-
-    key = json.dumps(
-        [
-            KIND,
-            device_kind(),
-            model_key(engine.target, engine.drafter),
-            engine.slots,
-            engine.buckets,
-            engine.capacity,
-            estimator,
-            engine.spec.greedy,
-            engine.spec.nucleus,
-        ]
-    )
-    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    kind = device_kind().replace(" ", "_").replace("/", "_").replace(":", "_")
-    return os.path.join(
-        cache_dir or default_cache_dir(), f"step-{kind}-s{engine.slots}-{digest}.json"
-    )
+    key = [
+        KIND,
+        model_key(engine.target, engine.drafter),
+        engine.slots,
+        engine.buckets,
+        engine.capacity,
+        estimator,
+        engine.spec.greedy,
+        engine.spec.nucleus,
+    ]
+    return keyed_path("step-", engine.slots, key, cache_dir)
 
 
 def load_or_calibrate_engine(
@@ -190,8 +172,4 @@ def load_or_calibrate_engine(
     """The cached engine-step table for this device, models and engine settings, else a
     fresh calibration (then cached)."""
     path = cache_path(engine, estimator=estimator, cache_dir=cache_dir)
-    if os.path.isfile(path):
-        return VerifyCostTable.load(path)
-    table = calibrate_engine(engine, estimator=estimator)
-    table.save(path)
-    return table
+    return cached_table(path, lambda: calibrate_engine(engine, estimator=estimator))

@@ -203,11 +203,26 @@ def calibrate(
     )
 
 
-def cache_path(target, drafter, *, slots, widths, capacity, cache_dir=None) -> str:
-    key = json.dumps([device_kind(), model_key(target, drafter), slots, widths, capacity])
+def keyed_path(prefix: str, slots: int, key_parts, cache_dir: str | None = None) -> str:
+    """`<cache_dir>/<prefix><device>-s<slots>-<hash of key_parts>.json` (device included)."""
+    key = json.dumps([device_kind(), *key_parts])
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     kind = device_kind().replace(" ", "_").replace("/", "_").replace(":", "_")
-    return os.path.join(cache_dir or default_cache_dir(), f"{kind}-s{slots}-{digest}.json")
+    return os.path.join(cache_dir or default_cache_dir(), f"{prefix}{kind}-s{slots}-{digest}.json")
+
+
+def cached_table(path: str, measure) -> VerifyCostTable:
+    """The table cached at `path`, else `measure()` saved there."""
+    if os.path.isfile(path):
+        return VerifyCostTable.load(path)
+    table = measure()
+    table.save(path)
+    return table
+
+
+def cache_path(target, drafter, *, slots, widths, capacity, cache_dir=None) -> str:
+    key = [model_key(target, drafter), slots, widths, capacity]
+    return keyed_path("", slots, key, cache_dir)
 
 
 def load_or_calibrate(
@@ -228,13 +243,17 @@ def load_or_calibrate(
     cached = cache_path(
         target, drafter, slots=slots, widths=widths, capacity=capacity, cache_dir=cache_dir
     )
-    if os.path.isfile(cached):
-        return VerifyCostTable.load(cached)
-    table = calibrate(
-        target, drafter, rows=default_rows(slots), widths=widths, capacity=capacity, repeats=repeats
+    return cached_table(
+        cached,
+        lambda: calibrate(
+            target,
+            drafter,
+            rows=default_rows(slots),
+            widths=widths,
+            capacity=capacity,
+            repeats=repeats,
+        ),
     )
-    table.save(cached)
-    return table
 
 
 def from_forward_ms_json(path: str | os.PathLike, *, ctx: int, draft_ms=None) -> VerifyCostTable:
