@@ -340,7 +340,7 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(target, drafte
     state = engine.init_state(0)
     engine._drafting = True
     state = engine._prefill(state, [(0, prompt, max_new)])
-    state, steps, calls = engine.run(state, stop_on_finish=False)
+    state, steps, calls, _ = engine.run(state, stop_on_finish=False)
     assert calls > 2, "the run should switch between the drafted and undrafted programs"
     requested = np.asarray(state.request_BxC[0, :steps])
     assert (requested == 0).any() and (requested > 0).any(), requested
@@ -365,7 +365,7 @@ def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter)
     state = engine.init_state(0)
     np.testing.assert_array_equal(state.accept_prior_Km1, np.ones(3))
     state = engine._prefill(state, [(0, PROMPTS[0], 12)])
-    state, _, _ = engine.run(state, stop_on_finish=False)
+    state, _, _, _ = engine.run(state, stop_on_finish=False)
     prior = np.asarray(state.accept_prior_Km1)
     assert np.all((prior >= 0) & (prior < 0.99)), prior  # a random drafter is unsure
     state = engine._prefill(state, [(1, PROMPTS[1], 5)])

@@ -123,14 +123,11 @@ class SpeculativeEngine:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
         elif isinstance(policy, str):
             kwargs = dict(policy_kwargs or {})
-            if policy == "goodput" and kwargs.get("estimator") == "head":
-                if not _has_accept_output(drafter):
-                    raise EngineError(_NO_ACCEPT_OUTPUT)  # before any calibration compute
             if isinstance(cost_table, (str, os.PathLike)):
                 cost_table = VerifyCostTable.load(cost_table)
             if policy == "goodput" and cost_table is None:
                 goodput_kwargs = kwargs
-                # checks the options (and the buckets) before the calibration compute
+                # checks the options, buckets and head outputs before the calibration compute
                 self._set_policy(make_policy(policy, cost=self._unit_table(), **kwargs))
                 policy = FixedPolicy()  # until the calibrated table exists
             else:
@@ -233,7 +230,7 @@ class SpeculativeEngine:
         """Device loops until no slot is active, `max_steps` ran or (if `stop_on_finish`) a
         slot finished. A skip_draft policy's drafted and undrafted steps are two programs:
         when a loop exits because the policy wants the other kind, the other one continues.
-        Returns (state, steps run, device loops called)."""
+        Returns (state, steps run, device loops called, host copy of done_B)."""
         total, calls = 0, 0
         while True:
             spec = self._undrafted_spec if not self._drafting else self.spec
@@ -249,7 +246,7 @@ class SpeculativeEngine:
             switch = bool(wants) != self._drafting
             stopped = (stop_on_finish and finished > 0) or bool(np.all(done_B))
             if not switch or stopped or total >= max_steps:
-                return state, total, calls
+                return state, total, calls, done_B
             self._drafting = bool(wants)
 
     # ---- host scheduler -------------------------------------------------------------------
@@ -273,8 +270,7 @@ class SpeculativeEngine:
                 starts.append((slot, *requests[i]))
             if starts:
                 state = self._prefill(state, starts)
-            state, steps, n_calls = self.run(state, stop_on_finish=bool(queue))
-            done_B = jax.device_get(state.done_B)
+            state, steps, n_calls, done_B = self.run(state, stop_on_finish=bool(queue))
             loop_steps, calls = loop_steps + steps, calls + n_calls
             finished = [slot for slot in owner if done_B[slot]]
             if finished:
