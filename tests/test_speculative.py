@@ -329,30 +329,50 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         assert sp.compiled_programs() == warm
 
 
-def test_context_stays_in_sync_across_drafted_and_undrafted_steps(target, drafter):
-    """After a run mixing drafted and undrafted steps, the drafter context holds exactly the
-    target features of every committed token, as if appended from scratch."""
-    policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
+@pytest.mark.parametrize("probe_every,pending_steps", [(2, 32), (7, 3)])
+def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
+    target, drafter, probe_every, pending_steps
+):
+    """After a run mixing drafted and undrafted steps, the drafter context plus the pending
+    features hold exactly the target features of every committed token, as if appended from
+    scratch. (7, 3): undrafted runs longer than the pending buffer, which flushes as it fills."""
+    policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=probe_every)
     engine = SpeculativeEngine(
-        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
+        target,
+        drafter,
+        slots=2,
+        capacity=CAPACITY,
+        buckets=(1, 2, 4),
+        policy=policy,
+        eos_ids=(),
+        pending_steps=pending_steps,
     )
-    prompt, max_new = PROMPTS[1], 20
+    prompts = [PROMPTS[1], PROMPTS[4]]
     state = engine.init_state(0)
     engine._drafting = True
-    state = engine._prefill(state, [(0, prompt, max_new)])
-    state, steps, calls, _ = engine.run(state, stop_on_finish=False)
+    state = engine._prefill(state, [(0, prompts[0], 40), (1, prompts[1], 40)])
+    state, steps, calls, _ = engine.run(state, stop_on_finish=False, max_steps=18)
+    assert steps == 18 and not np.any(state.done_B), "every row must still be running"
     assert calls > 2, "the run should switch between the drafted and undrafted programs"
-    requested = np.asarray(state.request_BxC[0, :steps])
+    requested = np.asarray(state.request_BxC[:, :steps])
     assert (requested == 0).any() and (requested > 0).any(), requested
-    out = np.asarray(state.out_BxC[0, : int(state.num_out_B[0])]).tolist()
-    # every committed token but the last (the bonus: its features come with the next step)
-    seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
-    n = seq.shape[1]
-    assert int(state.context_cache.lengths[0]) == n
-    feats = target(seq, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
-    ref = drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats)
-    for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
-        np.testing.assert_allclose(got[0, :n], want[0, :n], atol=2e-5, rtol=1e-4)
+    pending_B = np.asarray(state.pending_B)
+    assert pending_B.max() <= pending_steps
+    np.testing.assert_array_equal(
+        np.asarray(state.context_cache.lengths) + pending_B, state.target_cache.lengths
+    )
+    state = jax.jit(sp.flush_pending, static_argnums=0)(drafter, state)
+    assert not np.any(state.pending_B)
+    for row, prompt in enumerate(prompts):
+        out = np.asarray(state.out_BxC[row, : int(state.num_out_B[row])]).tolist()
+        # every committed token but the last (the bonus: its features come with the next step)
+        seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
+        n = seq.shape[1]
+        assert int(state.context_cache.lengths[row]) == n
+        feats = target(seq, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
+        ref = drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats)
+        for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
+            np.testing.assert_allclose(got[row, :n], want[0, :n], atol=2e-5, rtol=1e-4)
 
 
 def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):

@@ -87,10 +87,13 @@ class SpeculativeEngine:
         acceptance: Callable | None = None,
         cache_dir: str | None = None,
         policy_kwargs: dict | None = None,
+        pending_steps: int = sp.PENDING_STEPS,
     ):
         cfg = target.config
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
+        if pending_steps < 1:
+            raise EngineError(f"pending_steps must be >= 1, got {pending_steps}")
         if capacity > cfg.max_position_embeddings:
             raise EngineError(
                 f"cache capacity {capacity} exceeds the target's max_position_embeddings "
@@ -112,6 +115,8 @@ class SpeculativeEngine:
         self.slots, self.capacity, self.block_size = slots, capacity, k
         self.buckets = sp.bucket_set(buckets, k)
         self.seed = seed
+        # undrafted steps between batched drafter-context passes (skip_draft policies only)
+        self.pending_steps = int(pending_steps)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
         self.acceptance = acceptance
@@ -199,6 +204,7 @@ class SpeculativeEngine:
             temperature=self.temperature,
             top_p=self.top_p,
             seed=seed,
+            pending=self.pending_steps if self.spec.skip_draft else 0,
         )
 
     def _models(self):

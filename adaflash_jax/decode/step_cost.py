@@ -41,7 +41,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/4"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/5"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +85,7 @@ def _loop_ms(engine, spec, *, steps: int, seed: int) -> float:
         temperature=engine.temperature,
         top_p=engine.top_p,
         seed=seed,
+        pending=engine.pending_steps if spec.skip_draft else 0,
     )
     prompts = rng.integers(0, engine.target.config.vocab_size, size=(b, prompt_len))
     state = sp.prefill_slots(
@@ -162,6 +163,7 @@ def cache_path(engine, *, estimator: str, cache_dir: str | None = None) -> str:
         estimator,
         engine.spec.greedy,
         engine.spec.nucleus,
+        engine.pending_steps,
     ]
     return keyed_path("step-", engine.slots, key, cache_dir)
 
