@@ -46,7 +46,7 @@ def parse(argv=None) -> argparse.Namespace:
         help="calibrate goodput on each engine's own step, or on bare forwards (fewer compiles)",
     )
     p.add_argument("--buckets", default="1,2,4,8,16")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved timed rounds (fastest kept)")
     p.add_argument("--requests-per-slot", type=float, default=1.0, help="requests >= this x c")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: by backend")
     p.add_argument("--out", default="bench_out")

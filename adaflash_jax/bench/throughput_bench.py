@@ -9,8 +9,9 @@ batching: a finished row takes the next queued request). Plain decoding runs thr
 engine (`drafter=None`), so prefill, scheduling and host round trips cost the same and
 `ratio_to_plain` compares like with like, measured in the same process minutes apart.
 Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
-timed pass needs; the compiled-program count is checked around the timed pass), then
-`repeats` timed passes; the fastest is reported.
+timed pass needs; the compiled-program count is checked around every timed pass). Then
+`repeats` rounds time one pass of every method of the (concurrency, domain) in turn, and each
+cell reports its fastest: the methods share every stretch of a machine whose speed drifts.
 
 Occupancy: with FIFO admission and stop-on-finish the scheduler is deterministic, so each
 request's start step follows from the step counts alone (`occupancy`). The simulated total
@@ -296,28 +297,46 @@ class ThroughputBench:
             )
         return self._engines[key]
 
-    # ---- one cell -------------------------------------------------------------------------
-    def measure(self, m: Method, concurrency: int, domain: str) -> tuple[dict, dict | None]:
-        engine = self.engine(m, concurrency)
-        requests = cell_requests(
+    # ---- one (concurrency, domain) --------------------------------------------------------
+    def requests(self, concurrency: int, domain: str) -> list:
+        return cell_requests(
             self.prompts[domain],
             concurrency,
             self.settings.max_new_tokens,
             self.settings.requests_per_slot,
         )
-        t0 = time.perf_counter()
-        engine.generate(requests)
-        warmup = time.perf_counter() - t0
-        before = sp.compiled_programs()
-        best = None
-        for _ in range(self.settings.repeats):
+
+    def measure_level(self, concurrency: int, domain: str) -> list[tuple[dict, dict | None]]:
+        """Every method at one (concurrency, domain): each warms up once, then `repeats`
+        rounds time one pass of every method in turn and each keeps its fastest. Interleaving
+        rounds puts every method through the same stretch of a machine whose speed drifts,
+        so the ratios to plain compare like with like."""
+        requests = self.requests(concurrency, domain)
+        warmup = {}
+        for m in self.methods:
             t0 = time.perf_counter()
-            results = engine.generate(requests)
-            wall = time.perf_counter() - t0
-            if best is None or wall < best[0]:
-                best = (wall, results, engine.last_run["loop_steps"])
-        wall, results, loop_steps = best
-        after = sp.compiled_programs()
+            self.engine(m, concurrency).generate(requests)
+            warmup[m] = time.perf_counter() - t0
+        best: dict[Method, tuple] = {}
+        compiles = dict.fromkeys(self.methods, 0)
+        for _ in range(self.settings.repeats):
+            for m in self.methods:
+                engine = self.engine(m, concurrency)
+                before = sp.compiled_programs()
+                t0 = time.perf_counter()
+                results = engine.generate(requests)
+                wall = time.perf_counter() - t0
+                compiles[m] += sum(sp.compiled_programs().values()) - sum(before.values())
+                if m not in best or wall < best[m][0]:
+                    best[m] = (wall, results, engine.last_run["loop_steps"])
+        return [
+            self.cell(m, concurrency, domain, *best[m], warmup=warmup[m], compiles=compiles[m])
+            for m in self.methods
+        ]
+
+    def cell(self, m: Method, concurrency, domain, wall, results, loop_steps, *, warmup, compiles):
+        """The row (and, for a drafter, the acceptance trace) of one method's fastest pass."""
+        engine = self.engine(m, concurrency)
         row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
         steps = [r.steps for r in results]
         running = running_per_step(steps, concurrency)
@@ -335,7 +354,7 @@ class ThroughputBench:
             mean_running=float(np.mean(running)) if len(running) else 0.0,
             occupancy_exact=len(running) == loop_steps,
             cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
-            compiles_in_timed_pass=sum(after.values()) - sum(before.values()),
+            compiles_in_timed_pass=compiles,
             output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
         )
         if m.drafter is None:
@@ -376,8 +395,7 @@ class ThroughputBench:
         for c in self.settings.concurrencies:
             for domain in self.prompts:
                 plain = None
-                for m in self.methods:
-                    row, trace = self.measure(m, c, domain)
+                for m, (row, trace) in zip(self.methods, self.measure_level(c, domain)):
                     plain = row if m.drafter is None else plain
                     row["ratio_to_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
                     # greedy speculative decoding is lossless: the same tokens as plain
