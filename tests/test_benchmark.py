@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 
@@ -79,3 +80,18 @@ def test_micro_benchmark_end_to_end(tmp_path, capsys):
     got = {r["label"] for r in json.loads(proj.read_text())["rows"]}
     assert got == {"plain", "stage1/fixed", "adaflash/fixed", "adaflash/goodput",
                    "adaflash/adaflash"}  # fmt: skip
+
+
+def test_head_estimator_without_the_output_is_refused_before_any_compute():
+    """A goodput method reading the head's per-position output fails at construction when
+    the drafter has none (not after minutes of calibrating other methods)."""
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=4), length_head=None)
+    settings = tb.BenchSettings(concurrencies=(1,))
+    for method in ("adaflash:goodput:estimator=head", "adaflash:adaflash"):
+        with pytest.raises(tb.BenchError, match="adaflash"):
+            tb.ThroughputBench(None, {"adaflash": drafter}, {"code": [[1]]},
+                               [tb.parse_method(method)], settings)  # fmt: skip
+    head_settings = tb.BenchSettings(concurrencies=(1,), goodput_estimator="head")
+    with pytest.raises(tb.BenchError, match="accept_probs"):
+        tb.ThroughputBench(None, {"adaflash": drafter}, {"code": [[1]]},
+                           [tb.parse_method("adaflash:goodput")], head_settings)  # fmt: skip

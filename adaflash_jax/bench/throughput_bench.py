@@ -35,7 +35,12 @@ import numpy as np
 
 from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.bench import summarize
-from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
+from adaflash_jax.decode.slots import (
+    DEFAULT_BUCKETS,
+    NO_ACCEPT_OUTPUT,
+    SpeculativeEngine,
+    has_accept_output,
+)
 from adaflash_jax.decode.verify_cost import VerifyCostTable, calibrate
 
 CPU_CONCURRENCY = (1, 4, 16, 64)
@@ -212,6 +217,10 @@ class ThroughputBench:
             head = m.drafter is not None and drafters[m.drafter].length_head is not None
             if m.policy == "adaflash" and not head:
                 raise BenchError(f"method {m.label}: drafter {m.drafter!r} has no length head")
+            estimator = dict(m.options).get("estimator", settings.goodput_estimator)
+            wants_output = m.policy == "goodput" and estimator == "head"
+            if wants_output and not has_accept_output(drafters[m.drafter]):
+                raise BenchError(f"method {m.label}, drafter {m.drafter!r}: {NO_ACCEPT_OUTPUT}")
         cut = settings.max_prompt_len
         self.prompts = {d: [list(p[-cut:]) for p in ps] for d, ps in prompts.items()}
         if not self.prompts or any(not ps for ps in self.prompts.values()):

@@ -47,13 +47,13 @@ class Result:
     finish_reason: str  # "eos" or "length"
 
 
-_NO_ACCEPT_OUTPUT = (
+NO_ACCEPT_OUTPUT = (
     "the policy reads per-position acceptance from the length head (estimator 'head'), but "
     "this drafter's head has no accept_probs output (train it with draft.accept_dim > 0)"
 )
 
 
-def _has_accept_output(drafter) -> bool:
+def has_accept_output(drafter) -> bool:
     head = getattr(drafter, "length_head", None)
     return bool(getattr(head, "has_accept_output", False))
 
@@ -171,8 +171,8 @@ class SpeculativeEngine:
             use_length_head=drafter is not None and policy.needs_length_head,
             use_accept_head=drafter is not None and getattr(policy, "needs_accept_head", False),
         )
-        if self.spec.use_accept_head and not _has_accept_output(drafter):
-            raise EngineError(_NO_ACCEPT_OUTPUT)
+        if self.spec.use_accept_head and not has_accept_output(drafter):
+            raise EngineError(NO_ACCEPT_OUTPUT)
         self._undrafted_spec = dataclasses.replace(self.spec, undrafted_mode=True)
         self._drafting = True
 
