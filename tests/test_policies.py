@@ -259,16 +259,18 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
 
 
 def test_probe_interval_bounds_the_probe_overhead():
-    """Default interval: ceil((full-block drafted step − plain step) / (5% · plain step)),
-    within [1, max_probe_every]; an explicit probe_every wins."""
+    """Default interval: ceil(draft forward (a probe) / (5% · plain step)), within
+    [1, max_probe_every]; an explicit probe_every wins."""
     policy = GoodputPolicy(cost=TABLE)
-    # 1 row: plain 1.0 ms, drafted at K = 1.3 + 0.3 ms → 0.6 / 0.05 = 12 steps
-    assert int(policy.probe_interval(jnp.int32(1), BUCKETS)) == 12
-    # 16 rows: plain 2.0, drafted 11 + 1 → 10 / 0.1 = 100, capped at 64
-    assert int(policy.probe_interval(jnp.int32(16), BUCKETS)) == 64
+    # 1 row: plain 1.0 ms, draft 0.3 ms → 0.3 / 0.05 = 6 steps
+    assert int(policy.probe_interval(jnp.int32(1), BUCKETS)) == 6
+    # 16 rows: plain 2.0, draft 1 → 1 / 0.1 = 10
+    assert int(policy.probe_interval(jnp.int32(16), BUCKETS)) == 10
+    tight = GoodputPolicy(cost=TABLE, probe_overhead=0.005)  # 1 / 0.01 = 100, capped at 64
+    assert int(tight.probe_interval(jnp.int32(16), BUCKETS)) == 64
     assert int(GoodputPolicy(cost=TABLE, probe_every=3).probe_interval(1, BUCKETS)) == 3
-    loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)
-    assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 3
+    loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
+    assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 2
 
 
 def test_acceptance_scale_corrects_an_underconfident_estimator():

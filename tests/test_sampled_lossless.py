@@ -15,6 +15,7 @@ import jax.scipy.stats as jst
 import numpy as np
 import pytest
 from flax import nnx
+from policy_doubles import DraftEveryNth
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.generate import generate
@@ -114,8 +115,9 @@ GOODPUT_TABLE = VerifyCostTable(
 )
 
 
-# Drafting costs 12 plain steps: goodput's skip arm runs undrafted steps, probing (drafting)
-# after every 2 of them, so one run mixes drafted and plain steps.
+# Drafting costs 12 plain steps: goodput's skip arm runs undrafted steps and probes (a
+# drafter forward, no verify) after every 2 of them; the test double drafts after every 2, so
+# its run mixes drafted and plain steps.
 SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
 
 
@@ -125,16 +127,19 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
         AdaFlashPolicy(threshold=0),
         GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False),
         GoodputPolicy(cost=SKIP_TABLE, probe_every=2),
+        DraftEveryNth(cost=SKIP_TABLE, n=2),
     ],
-    ids=["adaflash", "goodput", "goodput-skip"],
+    ids=["adaflash", "goodput", "goodput-skip-probing", "mixed-drafted-and-plain"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
     outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy)
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
-    if policy.name == "goodput" and policy.skip_draft:
-        undrafted = np.mean([w == 0 for w in requested])
+    undrafted = np.mean([w == 0 for w in requested])
+    if isinstance(policy, DraftEveryNth):
         assert 0.2 < undrafted < 0.8, f"expected mixed drafted/plain steps, {undrafted:.2f}"
+    elif policy.name == "goodput" and policy.skip_draft:
+        assert undrafted > 0.8, f"drafting costs 12 plain steps, yet {1 - undrafted:.2f} drafted"
     p = chi_square_p(plain_counts, _counts(outputs))
     assert p > P_HONEST, f"{policy.name}: sampling is no longer lossless (p={p:.2e})"
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from policy_doubles import DraftEveryNth
 
 from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
@@ -299,16 +300,23 @@ def _skip_table(draft_ms):
 
 @pytest.mark.parametrize(
     "draft_ms,probe_every,expect",
-    [(0.01, 8, "drafted"), (100.0, 1000, "undrafted"), (100.0, 2, "mixed")],
+    [(0.01, 8, "drafted"), (100.0, 1000, "undrafted"), (100.0, 2, "probed"), (100.0, 2, "mixed")],
 )
 def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
     target, bigram, reference, draft_ms, probe_every, expect
 ):
     """Cheap drafts: every step drafts. Drafting costs 100 plain steps: every step is plain
-    (requested 0, width 1) and the output is still plain greedy's. With a probe every 2
-    undrafted steps, drafted and undrafted steps interleave in one program: no recompiles."""
+    (requested 0, width 1) and the output is still plain greedy's; with a probe every 2
+    steps the estimates refresh without a drafted step. Drafted and undrafted steps
+    interleaved (a test policy drafting after every 2 plain steps): the same output, and no
+    recompiles after the first run."""
     drafter = TableDrafter(_drafter_cfg(4), bigram)
-    policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=probe_every)
+    cost = _skip_table(draft_ms)
+    policy = (
+        DraftEveryNth(cost=cost, n=2)
+        if expect == "mixed"
+        else GoodputPolicy(cost=cost, probe_every=probe_every)
+    )
     engine = SpeculativeEngine(
         target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy
     )
@@ -317,10 +325,14 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
     _check_stats(results, engine)
     requested = [q for r in results for q in r.requested_widths]
     undrafted = [q == 0 for q in requested]
+    probes = engine.last_run["probes"]
     if expect == "drafted":
         assert not any(undrafted) and np.mean([r.tau for r in results]) > 1.5
-    elif expect == "undrafted":
+        assert probes == 0
+    elif expect in ("undrafted", "probed"):
         assert all(undrafted) and all(set(r.widths) == {1} for r in results)
+        # a probe every 2 undrafted steps: about one per 3 loop steps
+        assert probes == 0 if expect == "undrafted" else probes >= len(requested) // 6
     else:
         assert 0.2 < np.mean(undrafted) < 0.8, requested
         warm = sp.compiled_programs()
@@ -329,14 +341,32 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         assert sp.compiled_programs() == warm
 
 
-@pytest.mark.parametrize("probe_every,pending_steps", [(2, 32), (7, 3)])
+def test_a_probe_turns_drafting_back_on(target, bigram, reference):
+    """Rows whose estimates say drafting does not pay run plain steps until a probe (one
+    drafter forward) finds the drafter confident again; from then on they draft."""
+    drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
+    policy = GoodputPolicy(cost=_skip_table(0.01), probe_every=3)
+    engine = SpeculativeEngine(
+        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
+    )
+    state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
+    state = state.replace(accept_est_BxKm1=jnp.zeros_like(state.accept_est_BxKm1))
+    engine._drafting = False
+    state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)
+    requested = np.asarray(state.request_BxC[0, :steps]).tolist()
+    assert requested[:3] == [0, 0, 0] and all(w > 0 for w in requested[3:]), requested
+    assert int(state.probes) == 1
+    np.testing.assert_allclose(state.accept_est_BxKm1[0], 1.0, atol=1e-3)
+
+
+@pytest.mark.parametrize("draft_every,pending_steps", [(2, 32), (7, 3)])
 def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
-    target, drafter, probe_every, pending_steps
+    target, drafter, draft_every, pending_steps
 ):
     """After a run mixing drafted and undrafted steps, the drafter context plus the pending
     features hold exactly the target features of every committed token, as if appended from
     scratch. (7, 3): undrafted runs longer than the pending buffer, which flushes as it fills."""
-    policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=probe_every)
+    policy = DraftEveryNth(cost=_skip_table(100.0), n=draft_every)
     engine = SpeculativeEngine(
         target,
         drafter,
@@ -376,8 +406,8 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
 
 
 def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):
-    """Drafted steps move the prior (an EMA of drafted rows' estimates) away from 1; a request
-    admitted later starts its estimate there instead of at 1."""
+    """Drafter forwards (drafted steps and probes) move the prior (an EMA of the rows'
+    estimates) away from 1; a request admitted later starts its estimate there, not at 1."""
     policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
     engine = SpeculativeEngine(
         target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()

@@ -46,16 +46,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 cells.append(f"{r['tokens_per_s']:.1f}")
             else:
                 drafted = r.get("draft_fraction", 1.0)
+                probes = r.get("probes", 0) / max(r["loop_steps"], 1)
                 cells.append(
                     f"{r['tokens_per_s']:.1f} ({r['ratio_to_plain']:.2f}x) "
                     f"τ {r['tau']:.2f} w {r['mean_verify_width']:.1f}"
-                    + (f" d {drafted:.2f}" if drafted < 1.0 else "")
+                    + (f" d {drafted:.2f} p {probes:.3f}" if drafted < 1.0 else "")
                 )
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     out += [
         "",
-        "d: fraction of row-steps that ran the drafter (goodput's skip arm runs plain steps "
-        "when drafting does not pay; shown when below 1).",
+        "d: fraction of row-steps that drafted and verified (goodput's skip arm runs plain "
+        "steps when drafting does not pay; shown when below 1); p: its probes (a drafter "
+        "forward without a verify, refreshing the acceptance estimates) per loop step.",
     ]
     out += _adaflash_note(rows) + _ideal(rows) + _checks(rows)
     out += [

@@ -337,15 +337,17 @@ class ThroughputBench:
                 wall = time.perf_counter() - t0
                 compiles[m] += sum(sp.compiled_programs().values()) - sum(before.values())
                 if m not in best or wall < best[m][0]:
-                    best[m] = (wall, results, engine.last_run["loop_steps"])
+                    best[m] = (wall, results, dict(engine.last_run))
         return [
             self.cell(m, concurrency, domain, *best[m], warmup=warmup[m], compiles=compiles[m])
             for m in self.methods
         ]
 
-    def cell(self, m: Method, concurrency, domain, wall, results, loop_steps, *, warmup, compiles):
-        """The row (and, for a drafter, the acceptance trace) of one method's fastest pass."""
+    def cell(self, m: Method, concurrency, domain, wall, results, run, *, warmup, compiles):
+        """The row (and, for a drafter, the acceptance trace) of one method's fastest pass
+        (`run`: its `engine.last_run`)."""
         engine = self.engine(m, concurrency)
+        loop_steps = run["loop_steps"]
         row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
         steps = [r.steps for r in results]
         running = running_per_step(steps, concurrency)
@@ -364,6 +366,7 @@ class ThroughputBench:
             occupancy_exact=len(running) == loop_steps,
             cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
             compiles_in_timed_pass=compiles,
+            probes=run["probes"],
             output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
         )
         if m.drafter is None:
@@ -481,6 +484,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             mean_running=float(np.mean([r["mean_running"] for r in rs])),
             cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
             draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
+            probes=sum(r["probes"] for r in rs),
             compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
             occupancy_exact=all(r["occupancy_exact"] for r in rs),
             matches_plain=all(r["matches_plain"] for r in rs),

@@ -13,11 +13,12 @@ arguments and each runs inside the jitted step.
 
 The "don't speculate" arm (goodput with `skip_draft`): before drafting, `speculate` compares
 the best expected rate of a draft + verify step against a plain target step (width 1, no
-drafter forward), using each row's acceptance estimate from its LATEST draft (stale by one or
-more steps; a fresh request starts at the engine's running mean of drafted rows' estimates
-(1 before any draft), and a forced probe after `probe_interval` undrafted steps refreshes
-the estimates). That decision depends only on earlier steps, never on this
-step's samples, so it is lossless too; an undrafted step is exactly a plain decoding step.
+drafter forward), using each row's acceptance estimate from its LATEST drafter forward (stale
+by one or more steps; a fresh request starts at the engine's running mean of drafted rows'
+estimates, 1 before any draft). While it runs plain steps, the engine refreshes the estimates
+every `probe_interval` steps with a probe: one drafter forward, no verify. That decision
+depends only on earlier steps, never on this step's samples, so it is lossless too; an
+undrafted step is exactly a plain decoding step.
 
 Acceptance estimators (per-position acceptance probability a_i, i = 1..K−1, of draft i given
 drafts < i were accepted), any of which feeds `goodput`:
@@ -187,9 +188,9 @@ class GoodputPolicy(ReadsEstimator):
     cost: VerifyCostTable
     estimator: str = "confidence"
     skip_draft: bool = True
-    # Undrafted steps in a row before a draft refreshes the estimates. None: as many as keep
-    # a probe's extra cost (a full-block drafted step instead of a plain one) within
-    # `probe_overhead` of the plain steps' time, capped at `max_probe_every`.
+    # Undrafted steps between probes (a drafter forward that refreshes the estimates). None:
+    # as many as keep a probe's cost (the table's draft time) within `probe_overhead` of the
+    # plain steps' time, capped at `max_probe_every`.
     probe_every: int | None = None
     probe_overhead: float = 0.05
     max_probe_every: int = 64
@@ -232,25 +233,25 @@ class GoodputPolicy(ReadsEstimator):
         return self.decide(inp, block_size=block_size, buckets=buckets)[0]
 
     def probe_interval(self, num_running, buckets: tuple[int, ...]) -> jax.Array:
-        """Undrafted steps between probes (int32 scalar, traceable)."""
+        """Undrafted steps between probes (int32 scalar, traceable). A probe is one drafter
+        forward without a verify, so its cost is the table's draft time."""
         if self.probe_every is not None:
             return jnp.asarray(self.probe_every, jnp.int32)
         plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
-        extra_ms = self.cost.step_ms(num_running, (buckets[-1],))[0] - plain_ms
-        steps = jnp.ceil(extra_ms / (self.probe_overhead * plain_ms))
+        draft_ms = self.cost.draft_step_ms(num_running)
+        steps = jnp.ceil(draft_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
 
     def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...], scale=1.0):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
-        of draft + verify, from the rows' latest estimates, beats a plain width-1 step —
-        or `probe_interval` undrafted steps ran in a row."""
+        of draft + verify, from the rows' latest estimates (the last drafted step's or
+        probe's), beats a plain width-1 step."""
         num_running = jnp.sum(active_B.astype(jnp.int32))
         gain_BxNW = expected_committed(accept_BxKm1, buckets, scale)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
         drafted_rate = jnp.max(total_NW / self.cost.step_ms(num_running, buckets))
         plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
-        probe = undrafted >= self.probe_interval(num_running, buckets)
-        return (drafted_rate > plain_rate) | probe
+        return drafted_rate > plain_rate
 
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")

@@ -122,7 +122,7 @@ class SpeculativeEngine:
         self.acceptance = acceptance
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
-        self.last_run: dict = {}  # loop steps / device calls of the latest `generate`
+        self.last_run: dict = {}  # loop steps / device calls / probes of the latest `generate`
         goodput_kwargs = None  # set when goodput's table is measured on this engine below
         if drafter is None:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
@@ -283,7 +283,11 @@ class SpeculativeEngine:
                 self._harvest(state, finished, owner, results)
                 free.extend(finished)
                 free.sort()
-        self.last_run = {"loop_steps": loop_steps, "device_loops": calls}
+        self.last_run = {
+            "loop_steps": loop_steps,
+            "device_loops": calls,
+            "probes": int(jax.device_get(state.probes)),  # estimate-only drafter forwards
+        }
         return results
 
     def _harvest(self, state, slots, owner, results):

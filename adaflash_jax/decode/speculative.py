@@ -2,7 +2,7 @@
 
 Dimensions: B slots, K block size, W verify width (a bucket), V vocab, C cache capacity
 (also the per-slot output / statistics buffer length), R rows prefilled together, P padded
-prompt length, nD concatenated target features, E eos ids.
+prompt length, nD concatenated target features, E eos ids, U pending-context positions.
 
 Invariants of a live slot b (one request):
 - `bonus_B[b]` is the last committed token. Neither its target K/V nor its target features
@@ -20,7 +20,7 @@ Invariants of a live slot b (one request):
   switches programs, so no step pays for a conditional around the drafter (nor for the cache
   copies XLA makes around conditionally updated buffers).
 - Undrafted steps defer the drafter context: they park the committed token's target features
-  in a pending buffer of P positions per row (`pending_BxPxnD`, `pending_B` of them held), so
+  in a pending buffer of P positions per row (`pending_BxUxnD`, `pending_B` of them held), so
   `context_cache.lengths + pending_B == target_cache.lengths`. The buffer is projected into the
   context in one batched pass (`flush_pending`) when a drafted program starts and whenever it
   fills. Projecting one position per step cost the undrafted step 13 % of a plain step on
@@ -64,9 +64,10 @@ class SpecState:
     accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
     accept_prior_Km1: jax.Array  # float32 a fresh request's estimate: EMA of drafted rows'
     accept_calib_2: jax.Array  # float32 EMA of (realised, predicted) accepted drafts per row
-    undrafted: jax.Array  # int32 scalar: undrafted steps in a row (skip_draft policies)
+    undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
+    probes: jax.Array  # int32 scalar: estimate-only drafter forwards (`probe`) so far
     # undrafted steps' target features not yet in the drafter context (None unless skip_draft)
-    pending_BxPxnD: jax.Array | None
+    pending_BxUxnD: jax.Array | None
     pending_B: jax.Array  # int32 positions held per row
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
@@ -130,7 +131,7 @@ def _block_size(drafter) -> int:
     return 1 if drafter is None else drafter.config.block_size
 
 
-PENDING_STEPS = 32  # P: undrafted steps whose features wait for one batched context pass
+PENDING_STEPS = 32  # U: undrafted steps whose features wait for one batched context pass
 
 
 def init_state(
@@ -141,10 +142,10 @@ def init_state(
     eos = tuple(eos_ids) or (-1,)
     zeros_BxC = jnp.full((slots, capacity), -1, jnp.int32)
     target_cache = target.init_cache(slots, capacity)
-    pending_BxPxnD = None
+    pending_BxUxnD = None
     if drafter is not None and pending > 0:
         nd = len(drafter.config.target_layer_ids) * target.config.hidden_size
-        pending_BxPxnD = jnp.zeros((slots, pending, nd), target_cache.k[0].dtype)
+        pending_BxUxnD = jnp.zeros((slots, pending, nd), target_cache.k[0].dtype)
     return SpecState(
         target_cache=target_cache,
         context_cache=None if drafter is None else drafter.init_context_cache(slots, capacity),
@@ -162,7 +163,8 @@ def init_state(
         accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
         accept_calib_2=jnp.ones((2,), jnp.float32),
         undrafted=jnp.zeros((), jnp.int32),
-        pending_BxPxnD=pending_BxPxnD,
+        probes=jnp.zeros((), jnp.int32),
+        pending_BxUxnD=pending_BxUxnD,
         pending_B=jnp.zeros((slots,), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
         top_p=jnp.asarray(top_p, jnp.float32),
@@ -171,23 +173,12 @@ def init_state(
 
 
 # ---- one step ------------------------------------------------------------------------------
-def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
-    """Drafts, their sampling distribution q (None when greedy), the requested widths and
-    the rows' acceptance estimates (updated only by policies that keep them)."""
-    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
-    logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
-    b, km1, v = logits_BxKm1xV.shape
-    if spec.greedy:
-        q_BxKm1xV = None
-        drafts_BxKm1 = jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32)
-    else:
-        flat = logits_BxKm1xV.reshape(b * km1, v)
-        q_BxKm1xV = acceptance.sampling_probs(flat, s.temperature, spec.top_p(s))
-        q_BxKm1xV = q_BxKm1xV.reshape(b, km1, v)
-        drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
+def _policy_input(drafter, s: SpecState, spec: EngineSpec, d) -> PolicyInput:
+    """What a policy sees of one drafter forward `d` (DESIGN §4.3): never the sampled drafts."""
     hidden = jax.lax.stop_gradient(d.hidden_BxKxD)
+    logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
     active_B = ~s.done_B
-    inp = PolicyInput(
+    return PolicyInput(
         hidden_BxKxD=hidden,
         logits_BxKm1xV=logits_BxKm1xV,
         length_r_B=drafter.length_head(hidden) if spec.use_length_head else None,
@@ -200,25 +191,63 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
         num_running=jnp.sum(active_B.astype(jnp.int32)),
         accept_scale=accept_scale(s) if spec.skip_draft else 1.0,
     )
-    est_BxKm1, prior_Km1 = s.accept_est_BxKm1, s.accept_prior_Km1
+
+
+def _fresh_estimates(s: SpecState, active_B, fresh_BxKm1):
+    """The rows' estimates after a drafter forward, and the prior for requests not drafted for
+    yet: an EMA of the drafted rows' mean (starting them at 1 would force a draft on
+    admission even where drafting never pays)."""
+    est_BxKm1 = jnp.where(active_B[:, None], fresh_BxKm1, s.accept_est_BxKm1)
+    n = jnp.sum(active_B)
+    mean_Km1 = jnp.sum(jnp.where(active_B[:, None], fresh_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
+    prior_Km1 = jnp.where(
+        n > 0, (1.0 - PRIOR_RATE) * s.accept_prior_Km1 + PRIOR_RATE * mean_Km1, s.accept_prior_Km1
+    )
+    return est_BxKm1, prior_Km1
+
+
+def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
+    """Drafts, their sampling distribution q (None when greedy), the requested widths and
+    the rows' acceptance estimates (updated only by policies that keep them)."""
+    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+    inp = _policy_input(drafter, s, spec, d)
+    logits_BxKm1xV = inp.logits_BxKm1xV
+    b, km1, v = logits_BxKm1xV.shape
+    if spec.greedy:
+        q_BxKm1xV = None
+        drafts_BxKm1 = jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32)
+    else:
+        flat = logits_BxKm1xV.reshape(b * km1, v)
+        q_BxKm1xV = acceptance.sampling_probs(flat, s.temperature, spec.top_p(s))
+        q_BxKm1xV = q_BxKm1xV.reshape(b, km1, v)
+        drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
+    active_B = inp.active_B
+    estimates = (s.accept_est_BxKm1, s.accept_prior_Km1)
     if spec.skip_draft:
         width_B, fresh_BxKm1 = spec.policy.decide(
             inp, block_size=spec.block_size, buckets=spec.buckets
         )
-        est_BxKm1 = jnp.where(active_B[:, None], fresh_BxKm1, est_BxKm1)
-        # the engine's recent experience, for requests it has not drafted for yet: starting
-        # them at 1 would force a draft on admission even where drafting never pays
-        n = jnp.sum(active_B)
-        mean_Km1 = jnp.sum(jnp.where(active_B[:, None], fresh_BxKm1, 0.0), axis=0) / jnp.maximum(
-            n, 1
-        )
-        prior_Km1 = jnp.where(
-            n > 0, (1.0 - PRIOR_RATE) * prior_Km1 + PRIOR_RATE * mean_Km1, prior_Km1
-        )
+        estimates = _fresh_estimates(s, active_B, fresh_BxKm1)
     else:
         width_B = spec.policy.widths(inp, block_size=spec.block_size, buckets=spec.buckets)
     width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
-    return drafts_BxKm1, q_BxKm1xV, width_B, (est_BxKm1, prior_Km1)
+    return drafts_BxKm1, q_BxKm1xV, width_B, estimates
+
+
+def probe(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
+    """Refreshes the rows' acceptance estimates from one drafter forward, without verifying
+    (the undrafted program's periodic check whether drafting pays again). The context must be
+    current (flushed). Decides from committed tokens only, so it keeps decoding lossless."""
+    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+    inp = _policy_input(drafter, s, spec, d)
+    _, fresh_BxKm1 = spec.policy.decide(inp, block_size=spec.block_size, buckets=spec.buckets)
+    est_BxKm1, prior_Km1 = _fresh_estimates(s, inp.active_B, fresh_BxKm1)
+    return s.replace(
+        accept_est_BxKm1=est_BxKm1,
+        accept_prior_Km1=prior_Km1,
+        undrafted=jnp.zeros_like(s.undrafted),
+        probes=s.probes + 1,
+    )
 
 
 def _verify_accept(
@@ -380,7 +409,7 @@ def _undrafted_step(target, drafter, s: SpecState, spec: EngineSpec, key) -> Spe
     """A plain decoding step of a speculative engine: the target writes its cache in place,
     and the committed token's features wait in the pending buffer (the caller keeps it from
     overflowing: see `_loop`)."""
-    if s.pending_BxPxnD is None:
+    if s.pending_BxUxnD is None:
         raise ValueError("undrafted steps need the pending-context buffer (init_state pending>0)")
     active_B = ~s.done_B
     advance_B = active_B.astype(jnp.int32)
@@ -394,14 +423,14 @@ def _undrafted_step(target, drafter, s: SpecState, spec: EngineSpec, key) -> Spe
     s = _commit(s, tok_B[:, None], jnp.ones_like(advance_B), active_B)
     zeros_B = jnp.zeros_like(advance_B)
     s = _record(s, active_B, zeros_B, 1, zeros_B)  # requested 0: undrafted
-    b, p, _ = s.pending_BxPxnD.shape
+    b, p, _ = s.pending_BxUxnD.shape
     at_B = jnp.where(active_B, s.pending_B, p)  # inactive rows write nothing
-    pending = s.pending_BxPxnD.at[jnp.arange(b), at_B].set(
-        out.features_BxTxnD[:, 0].astype(s.pending_BxPxnD.dtype), mode="drop"
+    pending = s.pending_BxUxnD.at[jnp.arange(b), at_B].set(
+        out.features_BxTxnD[:, 0].astype(s.pending_BxUxnD.dtype), mode="drop"
     )
     return s.replace(
         target_cache=out.cache,
-        pending_BxPxnD=pending,
+        pending_BxUxnD=pending,
         pending_B=s.pending_B + advance_B,
         bonus_B=jnp.where(active_B, tok_B, s.bonus_B),
         undrafted=s.undrafted + 1,
@@ -410,19 +439,19 @@ def _undrafted_step(target, drafter, s: SpecState, spec: EngineSpec, key) -> Spe
 
 def pending_full(s: SpecState) -> jax.Array:
     """Whether some row's pending buffer is full (bool scalar; False without a buffer)."""
-    if s.pending_BxPxnD is None:
+    if s.pending_BxUxnD is None:
         return jnp.asarray(False)
-    return jnp.max(s.pending_B) >= s.pending_BxPxnD.shape[1]
+    return jnp.max(s.pending_B) >= s.pending_BxUxnD.shape[1]
 
 
 def flush_pending(drafter, s: SpecState) -> SpecState:
     """Projects every row's pending features into the drafter context (one batched pass over
-    P positions; entries past a row's count are written but stay masked), when any wait."""
-    if drafter is None or s.pending_BxPxnD is None:
+    U positions; entries past a row's count are written but stay masked), when any wait."""
+    if drafter is None or s.pending_BxUxnD is None:
         return s
 
     def flush(s):
-        ctx = drafter.append_context(s.context_cache, s.pending_BxPxnD, s.pending_B)
+        ctx = drafter.append_context(s.context_cache, s.pending_BxUxnD, s.pending_B)
         return s.replace(context_cache=ctx, pending_B=jnp.zeros_like(s.pending_B))
 
     return jax.lax.cond(jnp.any(s.pending_B > 0), flush, lambda s: s, s)
@@ -526,29 +555,38 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         s = spec_step(target, drafter, s, spec)
         return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
 
+    if drafting:
+        carry = (flush_pending(drafter, s), jnp.int32(0), jnp.int32(0))
+        s, steps, finished = jax.lax.while_loop(cond, body, carry)
+        return s, steps, finished, wants_draft(drafter, s, spec)
+
+    def probe_due(s):
+        interval = spec.policy.probe_interval(jnp.sum(~s.done_B), spec.buckets)
+        return s.undrafted >= interval
+
+    def refreshed(s):
+        # only the small outputs leave the conditional: no cache flows through it
+        def small(s):
+            return s.accept_est_BxKm1, s.accept_prior_Km1, s.undrafted, s.probes
+
+        est, prior, undrafted, probes = jax.lax.cond(
+            probe_due(s), lambda: small(probe(target, drafter, s, spec)), lambda: small(s)
+        )
+        return s.replace(
+            accept_est_BxKm1=est, accept_prior_Km1=prior, undrafted=undrafted, probes=probes
+        )
+
     def undrafted_run(carry):
-        # a fresh buffer, then undrafted steps until it fills (or the loop would stop)
+        # a current context, fresh estimates when due, then undrafted steps until the buffer
+        # fills, a probe is due or the loop would stop
         s, it, finished = carry
-        carry = (flush_pending(drafter, s), it, finished)
-        return jax.lax.while_loop(lambda c: cond(c) & ~pending_full(c[0]), body, carry)
+        s = refreshed(flush_pending(drafter, s))
+        more = lambda c: cond(c) & ~pending_full(c[0]) & ~probe_due(c[0])  # noqa: E731
+        return jax.lax.while_loop(more, body, (s, it, finished))
 
     carry = (s, jnp.int32(0), jnp.int32(0))
-    if drafting:
-        s, steps, finished = jax.lax.while_loop(
-            cond, body, (flush_pending(drafter, s),) + carry[1:]
-        )
-    else:
-        s, steps, finished = jax.lax.while_loop(cond, undrafted_run, carry)
+    s, steps, finished = jax.lax.while_loop(cond, undrafted_run, carry)
     return s, steps, finished, wants_draft(drafter, s, spec)
-
-
-def _step(tdef, tstate, ddef, dstate, s, *, spec):
-    target, drafter = _models(tdef, tstate, ddef, dstate)
-    if not spec.undrafted_mode:
-        s = flush_pending(drafter, s)
-    elif s.pending_BxPxnD is not None:
-        s = jax.lax.cond(pending_full(s), lambda s: flush_pending(drafter, s), lambda s: s, s)
-    return spec_step(target, drafter, s, spec)
 
 
 def _prefill(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, *, spec):
@@ -557,7 +595,7 @@ def _prefill(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_
 
 
 _STATIC = ("tdef", "ddef", "spec")
-_IMPLS = {"run_loop": _loop, "step": _step, "prefill_slots": _prefill}
+_IMPLS = {"run_loop": _loop, "prefill_slots": _prefill}
 _JITTED: dict = {}
 
 
@@ -575,10 +613,6 @@ def run_loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
     or the policy wants the other kind of step than this program runs (skip_draft).
     Returns (state, steps run, slots finished, wants_draft for the next step)."""
     return jitted("run_loop")(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, spec=spec)
-
-
-def step(tdef, tstate, ddef, dstate, s, *, spec):
-    return jitted("step")(tdef, tstate, ddef, dstate, s, spec=spec)
 
 
 def prefill_slots(tdef, tstate, ddef, dstate, s, slots_R, prompt_RxP, len_R, max_new_R, *, spec):

@@ -41,7 +41,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/5"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/6"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +60,9 @@ class ForcedStep(ReadsEstimator):
 
     def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0):
         return jnp.asarray(self.draft)
+
+    def probe_interval(self, num_running, buckets):
+        return jnp.asarray(2**30, jnp.int32)  # the measured steps run unbroken
 
     def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)

@@ -1,0 +1,22 @@
+"""Length-policy test doubles: decisions on a fixed schedule, so tests get runs that mix
+drafted and undrafted steps whatever the models' acceptance estimates say."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from adaflash_jax.decode.policies import GoodputPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftEveryNth(GoodputPolicy):
+    """Goodput's widths and estimates, but a drafted step after every `n` undrafted ones and
+    no probes."""
+
+    n: int = 2
+
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0):
+        return undrafted >= self.n
+
+    def probe_interval(self, num_running, buckets):
+        return jnp.asarray(2**30, jnp.int32)
