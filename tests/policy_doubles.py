@@ -19,4 +19,4 @@ class DraftEveryNth(GoodputPolicy):
         return undrafted >= self.n
 
     def probe_interval(self, num_running, buckets):
-        return jnp.asarray(2**30, jnp.int32)
+        return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)

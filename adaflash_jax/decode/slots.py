@@ -174,7 +174,7 @@ class SpeculativeEngine:
         if self.spec.use_accept_head and not has_accept_output(drafter):
             raise EngineError(NO_ACCEPT_OUTPUT)
         self._undrafted_spec = dataclasses.replace(self.spec, undrafted_mode=True)
-        self._drafting = True
+        self._drafting = not self.spec.skip_draft
 
     # ---- validation -----------------------------------------------------------------------
     def check_request(self, i: int, prompt: Sequence[int], max_new: int) -> None:
@@ -262,7 +262,9 @@ class SpeculativeEngine:
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
         state = self.init_state(self.seed if seed is None else seed)
-        self._drafting = True  # fresh requests start with an optimistic estimate: they draft
+        # a skip_draft policy starts with a probe (one drafter forward) rather than a drafted
+        # step: the first step of a run then drafts only where the estimates say it pays
+        self._drafting = not self.spec.skip_draft
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index

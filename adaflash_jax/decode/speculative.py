@@ -131,6 +131,7 @@ def _block_size(drafter) -> int:
     return 1 if drafter is None else drafter.config.block_size
 
 
+NEVER_REFRESHED = 2**30  # `undrafted` before any drafter forward: a probe is due at once
 PENDING_STEPS = 32  # U: undrafted steps whose features wait for one batched context pass
 
 
@@ -162,7 +163,7 @@ def init_state(
         accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
         accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
         accept_calib_2=jnp.ones((2,), jnp.float32),
-        undrafted=jnp.zeros((), jnp.int32),
+        undrafted=jnp.asarray(NEVER_REFRESHED, jnp.int32),  # the first undrafted loop probes
         probes=jnp.zeros((), jnp.int32),
         pending_BxUxnD=pending_BxUxnD,
         pending_B=jnp.zeros((slots,), jnp.int32),
@@ -584,7 +585,8 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         more = lambda c: cond(c) & ~pending_full(c[0]) & ~probe_due(c[0])  # noqa: E731
         return jax.lax.while_loop(more, body, (s, it, finished))
 
-    carry = (s, jnp.int32(0), jnp.int32(0))
+    # a probe that is due (e.g. before any drafter forward) comes before the first decision
+    carry = (refreshed(flush_pending(drafter, s)), jnp.int32(0), jnp.int32(0))
     s, steps, finished = jax.lax.while_loop(cond, undrafted_run, carry)
     return s, steps, finished, wants_draft(drafter, s, spec)
 

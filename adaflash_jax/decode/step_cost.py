@@ -62,7 +62,7 @@ class ForcedStep(ReadsEstimator):
         return jnp.asarray(self.draft)
 
     def probe_interval(self, num_running, buckets):
-        return jnp.asarray(2**30, jnp.int32)  # the measured steps run unbroken
+        return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)  # the measured steps run unbroken
 
     def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)
