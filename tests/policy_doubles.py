@@ -15,7 +15,7 @@ class DraftEveryNth(GoodputPolicy):
 
     n: int = 2
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0):
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0, switching=False):
         return undrafted >= self.n
 
     def probe_interval(self, num_running, buckets):

@@ -1,5 +1,6 @@
 """Length policies and the verify-cost table: pure-function checks (no decode loop)."""
 
+import dataclasses
 import functools
 import json
 
@@ -237,11 +238,12 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
 
 def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     """draft = step(drafted, W=1) − step(undrafted); verify[W] = step(drafted, W) − draft:
-    goodput's draft + verify is the drafted step, its plain arm the undrafted step."""
+    goodput's draft + verify is the drafted step, its plain arm the undrafted step; a device
+    call of one undrafted step costs the step plus the switch overhead."""
     measured = {(False, 1): 3.0, (True, 1): 5.0, (True, 2): 5.5, (True, 4): 7.0}
 
-    def fake_case_ms(engine, policy, **_):
-        return measured[(policy.draft, policy.width)]
+    def fake_case_ms(engine, policy, *, steps, **_):
+        return measured[(policy.draft, policy.width)] + (4.5 if steps == 1 else 0.0)
 
     monkeypatch.setattr(step_cost, "_case_ms", fake_case_ms)
 
@@ -256,6 +258,28 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
     np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
     np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))
+    assert table.switch_ms == 4.5
+
+
+def test_entering_drafting_must_pay_for_the_switch():
+    """From the undrafted program, a drafted step is charged the table's switch overhead: a
+    gain that beats a plain step only without it keeps the engine where it is."""
+    table = dataclasses.replace(TABLE, switch_ms=2.0)
+    policy = GoodputPolicy(cost=table)
+    # 1 row: plain 1.0 ms (1 token/ms); width 4 drafted 1.1 + 0.3 ms, 3.4 with the switch
+    # a = 0.5: width 4 commits 1.875 → 1.34 tokens/ms, 0.55 with the switch
+    # a = 0.9: width 8 commits 5.17 in 1.6 ms, 3.6 with the switch → 1.44 tokens/ms
+    active = jnp.ones((1,), bool)
+    for a, stay, enter in ((0.2, False, False), (0.5, True, False), (0.9, True, True)):
+        accept = jnp.full((1, K - 1), a)
+        assert bool(policy.speculate(accept, active, 0, buckets=BUCKETS)) == stay, a
+        assert bool(policy.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
+            enter
+        ), a
+    assert VerifyCostTable.from_json({**TABLE.to_json(), "switch_ms": 2.0}) == table
+    old = TABLE.to_json()
+    del old["switch_ms"]  # tables written before the field existed
+    assert VerifyCostTable.from_json(old).switch_ms == 0.0
 
 
 def test_probe_interval_bounds_the_probe_overhead():

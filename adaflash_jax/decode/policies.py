@@ -242,14 +242,28 @@ class GoodputPolicy(ReadsEstimator):
         steps = jnp.ceil(draft_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets: tuple[int, ...], scale=1.0):
+    def speculate(
+        self,
+        accept_BxKm1,
+        active_B,
+        undrafted,
+        *,
+        buckets: tuple[int, ...],
+        scale=1.0,
+        switching: bool = False,
+    ):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
         of draft + verify, from the rows' latest estimates (the last drafted step's or
-        probe's), beats a plain width-1 step."""
+        probe's), beats a plain width-1 step. `switching`: asked from the undrafted program,
+        where drafting first costs a host switch of programs; that one step must pay for it
+        (the table's `switch_ms`), so marginal gains do not flip programs back and forth."""
         num_running = jnp.sum(active_B.astype(jnp.int32))
         gain_BxNW = expected_committed(accept_BxKm1, buckets, scale)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
-        drafted_rate = jnp.max(total_NW / self.cost.step_ms(num_running, buckets))
+        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
+        if switching:
+            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms
+        drafted_rate = jnp.max(total_NW / drafted_ms_NW)
         plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
         return drafted_rate > plain_rate
 

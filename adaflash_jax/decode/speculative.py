@@ -537,7 +537,12 @@ def wants_draft(drafter, s: SpecState, spec: EngineSpec):
     if drafter is None or not spec.skip_draft:
         return jnp.asarray(True)
     return spec.policy.speculate(
-        s.accept_est_BxKm1, ~s.done_B, s.undrafted, buckets=spec.buckets, scale=accept_scale(s)
+        s.accept_est_BxKm1,
+        ~s.done_B,
+        s.undrafted,
+        buckets=spec.buckets,
+        scale=accept_scale(s),
+        switching=spec.undrafted_mode,
     )
 
 

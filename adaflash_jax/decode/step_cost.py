@@ -16,6 +16,7 @@ count (B: the step's cost does not depend on how many slots are active):
 
     draft_ms   = step(drafted, W = 1) − step(undrafted)      (clamped at 0)
     verify_ms[W] = step(drafted, W) − draft_ms               (so verify_ms[1] = step(undrafted))
+    switch_ms  = call(undrafted, 1 step) − step(undrafted)   (a device call's own overhead)
 
 and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
 measured undrafted step. Each case compiles one loop program (|buckets| + 1 in all); the
@@ -41,7 +42,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/6"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/7"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,7 +59,7 @@ class ForcedStep(ReadsEstimator):
     def validate(self, **_):
         pass
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0):
+    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0, switching=False):
         return jnp.asarray(self.draft)
 
     def probe_interval(self, num_running, buckets):
@@ -133,15 +134,17 @@ def calibrate_engine(
     (interference only ever adds time)."""
     k = engine.block_size
     steps = max(1, min(steps, (engine.capacity - 2) // (2 * k)))
-    cases = [ForcedStep(width=1, draft=False, estimator=estimator)]
-    cases += [ForcedStep(width=w, draft=True, estimator=estimator) for w in engine.buckets]
+    undrafted = ForcedStep(width=1, draft=False, estimator=estimator)
+    cases = [(undrafted, steps)]
+    cases += [(ForcedStep(width=w, draft=True, estimator=estimator), steps) for w in engine.buckets]
+    cases += [(undrafted, 1)]  # a whole device call for one step: the switch overhead
     times = [[] for _ in cases]
     for r in range(rounds + 1):
-        for i, case in enumerate(cases):
-            ms = _case_ms(engine, case, steps=steps, seed=seed + r)
+        for i, (case, n) in enumerate(cases):
+            ms = _case_ms(engine, case, steps=n, seed=seed + r)
             if r:  # round 0 compiles
                 times[i].append(ms)
-    plain, *drafted = (min(t) for t in times)
+    plain, *drafted, one_call = (min(t) for t in times)
     at_1 = drafted[0] if engine.buckets[0] == 1 else plain
     draft = max(at_1 - plain, 0.0)
     verify = tuple(max(d - draft, 1e-3) for d in drafted)
@@ -150,6 +153,7 @@ def calibrate_engine(
         widths=engine.buckets,
         verify_ms=(verify,),
         draft_ms=(draft,),
+        switch_ms=max(one_call - plain, 0.0),
         device=device_kind(),
         model=f"{KIND} slots {engine.slots} capacity {engine.capacity} estimator {estimator} "
         f"{'greedy' if engine.spec.greedy else 'sampled'}",

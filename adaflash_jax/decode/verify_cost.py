@@ -35,6 +35,9 @@ class VerifyCostTable:
     widths: tuple[int, ...]  # ascending verify widths
     verify_ms: tuple[tuple[float, ...], ...]  # [NR][NW] target forward over W tokens per row
     draft_ms: tuple[float, ...]  # [NR] drafter block forward (same for every width)
+    # one host switch between the engine's drafted and undrafted loop programs (measured by
+    # the engine-step calibration; 0 where unknown)
+    switch_ms: float = 0.0
     device: str = "unknown"
     model: str = ""  # free-form description of the shapes measured
 
@@ -45,6 +48,7 @@ class VerifyCostTable:
             self, "verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms)
         )
         object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
+        object.__setattr__(self, "switch_ms", float(self.switch_ms))
         if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
             raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
         if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
@@ -57,6 +61,8 @@ class VerifyCostTable:
             raise ValueError("draft_ms must have one entry per row count")
         if min(min(r) for r in self.verify_ms) <= 0 or min(self.draft_ms) < 0:
             raise ValueError("verify times must be positive and draft times non-negative")
+        if not self.switch_ms >= 0:
+            raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
 
     # ---- lookups ------------------------------------------------------------------------
     def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
