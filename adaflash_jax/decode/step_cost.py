@@ -19,8 +19,8 @@ count (B: the step's cost does not depend on how many slots are active):
     switch_ms  = call(undrafted, 1 step) − step(undrafted)   (a device call's own overhead)
 
 and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
-measured undrafted step. Each case compiles one loop program (|buckets| + 1 in all); the
-result is cached like the forward table.
+measured undrafted step. Each case compiles one loop program (|buckets| + 1 in all; the
+one-step call reuses the undrafted program); the result is cached like the forward table.
 """
 
 from __future__ import annotations
