@@ -20,11 +20,15 @@ Invariants of a live slot b (one request):
   switches programs, so no step pays for a conditional around the drafter (nor for the cache
   copies XLA makes around conditionally updated buffers).
 - Undrafted steps defer the drafter context: they park the committed token's target features
-  in a pending buffer of P positions per row (`pending_BxUxnD`, `pending_B` of them held), so
+  in a pending buffer of U positions per row (`pending_BxUxnD`, `pending_B` of them held), so
   `context_cache.lengths + pending_B == target_cache.lengths`. The buffer is projected into the
   context in one batched pass (`flush_pending`) when a drafted program starts and whenever it
   fills. Projecting one position per step cost the undrafted step 13 % of a plain step on
-  the CPU at one slot (tiny target); one pass per P steps amortises the fixed costs.
+  the CPU at one slot (tiny target); one pass per U steps amortises the fixed costs.
+- The undrafted program refreshes the rows' acceptance estimates every `probe_interval` steps
+  with one drafter forward and no verify (`probe`), between runs of steps (a conditional
+  there, not in every step), and leaves only when drafting pays again. A verified drafted
+  step as the probe would cost two program switches besides the verify.
 The plain path (`drafter is None`) uses the same state and scheduler with width 1.
 """
 
@@ -177,8 +181,10 @@ def init_state(
 
 
 # ---- one step ------------------------------------------------------------------------------
-def _policy_input(drafter, s: SpecState, spec: EngineSpec, d) -> PolicyInput:
-    """What a policy sees of one drafter forward `d` (DESIGN §4.3): never the sampled drafts."""
+def _drafter_forward(target, drafter, s: SpecState, spec: EngineSpec) -> PolicyInput:
+    """One drafter forward after each row's bonus token, as a policy sees it (DESIGN §4.3):
+    block states and draft logits, never the sampled drafts."""
+    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
     hidden = jax.lax.stop_gradient(d.hidden_BxKxD)
     logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
     active_B = ~s.done_B
@@ -213,8 +219,7 @@ def _fresh_estimates(s: SpecState, active_B, fresh_BxKm1):
 def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
     """Drafts, their sampling distribution q (None when greedy), the requested widths and
     the rows' acceptance estimates (updated only by policies that keep them)."""
-    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
-    inp = _policy_input(drafter, s, spec, d)
+    inp = _drafter_forward(target, drafter, s, spec)
     logits_BxKm1xV = inp.logits_BxKm1xV
     b, km1, v = logits_BxKm1xV.shape
     if spec.greedy:
@@ -242,8 +247,7 @@ def probe(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     """Refreshes the rows' acceptance estimates from one drafter forward, without verifying
     (the undrafted program's periodic check whether drafting pays again). The context must be
     current (flushed). Decides from committed tokens only, so it keeps decoding lossless."""
-    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
-    inp = _policy_input(drafter, s, spec, d)
+    inp = _drafter_forward(target, drafter, s, spec)
     _, fresh_BxKm1 = spec.policy.decide(inp, block_size=spec.block_size, buckets=spec.buckets)
     est_BxKm1, prior_Km1 = _fresh_estimates(s, inp.active_B, fresh_BxKm1)
     return s.replace(
@@ -442,9 +446,7 @@ def _undrafted_step(target, drafter, s: SpecState, spec: EngineSpec, key) -> Spe
 
 
 def pending_full(s: SpecState) -> jax.Array:
-    """Whether some row's pending buffer is full (bool scalar; False without a buffer)."""
-    if s.pending_BxUxnD is None:
-        return jnp.asarray(False)
+    """Whether some row's pending buffer is full (bool scalar)."""
     return jnp.max(s.pending_B) >= s.pending_BxUxnD.shape[1]
 
 
@@ -454,11 +456,15 @@ def flush_pending(drafter, s: SpecState) -> SpecState:
     if drafter is None or s.pending_BxUxnD is None:
         return s
 
-    def flush(s):
+    def flush():
         ctx = drafter.append_context(s.context_cache, s.pending_BxUxnD, s.pending_B)
-        return s.replace(context_cache=ctx, pending_B=jnp.zeros_like(s.pending_B))
+        return ctx, jnp.zeros_like(s.pending_B)
 
-    return jax.lax.cond(jnp.any(s.pending_B > 0), flush, lambda s: s, s)
+    # only what the flush changes passes through the conditional, not the whole state
+    ctx, pending_B = jax.lax.cond(
+        jnp.any(s.pending_B > 0), flush, lambda: (s.context_cache, s.pending_B)
+    )
+    return s.replace(context_cache=ctx, pending_B=pending_B)
 
 
 def _plain_step(target, s: SpecState, spec: EngineSpec, key) -> SpecState:
@@ -585,16 +591,18 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
             accept_est_BxKm1=est, accept_prior_Km1=prior, undrafted=undrafted, probes=probes
         )
 
+    def prepared(s):
+        # a current context, and fresh estimates when a probe is due
+        return refreshed(flush_pending(drafter, s))
+
     def undrafted_run(carry):
-        # a current context, fresh estimates when due, then undrafted steps until the buffer
-        # fills, a probe is due or the loop would stop
-        s, it, finished = carry
-        s = refreshed(flush_pending(drafter, s))
+        # undrafted steps until the buffer fills, a probe is due or the loop would stop
         more = lambda c: cond(c) & ~pending_full(c[0]) & ~probe_due(c[0])  # noqa: E731
-        return jax.lax.while_loop(more, body, (s, it, finished))
+        s, it, finished = jax.lax.while_loop(more, body, carry)
+        return prepared(s), it, finished
 
     # a probe that is due (e.g. before any drafter forward) comes before the first decision
-    carry = (refreshed(flush_pending(drafter, s)), jnp.int32(0), jnp.int32(0))
+    carry = (prepared(s), jnp.int32(0), jnp.int32(0))
     s, steps, finished = jax.lax.while_loop(cond, undrafted_run, carry)
     return s, steps, finished, wants_draft(drafter, s, spec)
 
