@@ -15,7 +15,9 @@ class DraftEveryNth(GoodputPolicy):
 
     n: int = 2
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0, switching=False):
+    def speculate(
+        self, accept_BxKm1, active_B, undrafted, *, buckets, log_gamma=0.0, switching=False
+    ):
         return undrafted >= self.n
 
     def probe_interval(self, num_running, buckets):

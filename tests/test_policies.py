@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode import policies, step_cost, verify_cost
+from adaflash_jax.decode import calibration, policies, step_cost, verify_cost
 from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.policies import (
     AdaFlashPolicy,
@@ -243,7 +243,8 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     measured = {(False, 1): 3.0, (True, 1): 5.0, (True, 2): 5.5, (True, 4): 7.0}
 
     def fake_case_ms(engine, policy, *, steps, **_):
-        return measured[(policy.draft, policy.width)] + (4.5 if steps == 1 else 0.0)
+        probing = 1.25 if policy.probe_every == 1 else 0.0  # a probe after every step
+        return measured[(policy.draft, policy.width)] + (4.5 if steps == 1 else 0.0) + probing
 
     monkeypatch.setattr(step_cost, "_case_ms", fake_case_ms)
 
@@ -259,6 +260,7 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
     np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))
     assert table.switch_ms == 4.5
+    assert table.probe_ms == 1.25 and float(table.probe_step_ms(4)) == 1.25
 
 
 def test_entering_drafting_must_pay_for_the_switch():
@@ -295,36 +297,65 @@ def test_probe_interval_bounds_the_probe_overhead():
     assert int(GoodputPolicy(cost=TABLE, probe_every=3).probe_interval(1, BUCKETS)) == 3
     loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
     assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 2
+    # a measured probe cost (the engine-step calibration's) replaces the draft time
+    measured = GoodputPolicy(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
+    assert int(measured.probe_interval(jnp.int32(1), BUCKETS)) == 18
+    assert VerifyCostTable.from_json(measured.cost.to_json()) == measured.cost
+    with pytest.raises(ValueError, match="probe_ms"):
+        dataclasses.replace(TABLE, probe_ms=-1.0)
 
 
-def test_acceptance_scale_corrects_an_underconfident_estimator():
-    """The engine's realised/predicted ratio scales the expected accepted drafts, capped at
-    W − 1: an estimator that predicts half of what is realised gets doubled."""
-    a = jnp.full((2, K - 1), 0.5)
-    base = np.asarray(policies.expected_committed(a, BUCKETS))
-    scaled = np.asarray(policies.expected_committed(a, BUCKETS, 2.0))
-    np.testing.assert_allclose(scaled - 1, np.minimum(2 * (base - 1), np.asarray(BUCKETS) - 1))
+def test_calibration_exponent_fits_the_realised_acceptance():
+    """a ↦ a^γ: the fitted γ* reproduces the realised count at the observed width (γ < 1
+    for an under-confident estimator, > 1 for an over-confident one); a row's log γ is an
+    EMA of fits, only over graded rows, and the engine's follows their mean."""
+    est = jnp.array([[0.4, 0.4, 0.4], [0.9, 0.9, 0.9], [0.5, 0.5, 0.5]])
+    width = jnp.array([4, 4, 3])
+    realised = jnp.array([2.5, 0.5, 1.0])
+    lg = calibration.fit_log_gamma(est, width, realised)
+    got = calibration.accepted_at(calibration.calibrated(est, lg), width)
+    np.testing.assert_allclose(got, realised, rtol=1e-3)
+    assert lg[0] < 0 < lg[1]
+    # beyond reach: every draft accepted needs γ → 0, clipped at the bound
+    full = calibration.fit_log_gamma(est[:1], jnp.array([4]), jnp.array([3]))
+    np.testing.assert_allclose(full, -calibration.MAX_LOG_GAMMA, rtol=1e-3)
+    rows, engine = calibration.update(
+        jnp.zeros(3), jnp.float32(0.0), est, width, realised, jnp.array([True, True, False])
+    )
+    rate = calibration.ROW_RATE
+    np.testing.assert_allclose(rows, [rate * lg[0], rate * lg[1], 0.0], rtol=1e-5)
+    np.testing.assert_allclose(engine, calibration.ENGINE_RATE * (lg[0] + lg[1]) / 2, rtol=1e-5)
+    # the policies read calibrated estimates: γ = 1/2 turns 0.25 into 0.5
+    a = jnp.full((1, K - 1), 0.25)
     np.testing.assert_allclose(
-        np.asarray(policies.expected_accepted(a, jnp.array([1, 4]))), [0.0, 0.875]
+        policies.expected_committed(a, (2,), jnp.log(jnp.array([0.5]))), [[1.5]], rtol=1e-6
     )
-    s = sp.init_state(
-        TargetLM(TINY_T, rngs=nnx.Rngs(0)), None, slots=2, capacity=8, eos_ids=(),
-        temperature=0.0, top_p=1.0, seed=0,
-    )  # fmt: skip
-    s = s.replace(accept_calib_2=jnp.array([2.0, 1.0]))
-    assert float(sp.accept_scale(s)) == 2.0
-    s = s.replace(accept_calib_2=jnp.array([50.0, 1.0]))
-    assert float(sp.accept_scale(s)) == 4.0  # clipped
-    est = jnp.full((2, 3), 0.5)
-    s = s.replace(accept_calib_2=jnp.array([1.0, 1.0]))
-    new = np.asarray(
-        sp._calibrate(s, est, jnp.array([4, 2]), jnp.array([3, 1]), jnp.array([True, False]))
-    )
-    # only the active row counts: realised 3, predicted 0.5 + 0.25 + 0.125 at width 4
-    np.testing.assert_allclose(new, [0.9 + 0.1 * 3, 0.9 + 0.1 * 0.875], rtol=1e-6)
 
 
-TINY_T = TargetConfig(
-    vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-)  # fmt: skip
+def test_a_probe_is_graded_against_the_tokens_committed_after_it():
+    """Leading matches of the probe's drafts with the committed tokens, over the positions
+    committed so far (width = 1 + those); rows without a live probe or a committed position
+    are not graded."""
+    out = jnp.array(
+        [
+            [5, 6, 7, 8, 9, -1, -1, -1],  # probe at 1: drafts 6 7 0 → 2 accepted of 3 graded
+            [5, 6, 7, 8, 9, 1, 2, 3],  # probe at 2: drafts 7 8 9 → all 3
+            [5, 6, -1, -1, -1, -1, -1, -1],  # probe at 2: nothing committed since
+            [5, 6, 7, 8, -1, -1, -1, -1],  # probe at 1 of an earlier request: not live
+        ]
+    )
+    drafts = jnp.array([[6, 7, 0], [7, 8, 9], [1, 2, 3], [6, 7, 8]])
+    realised, width, graded = calibration.probe_outcome(
+        drafts,
+        jnp.array([1, 2, 2, 1]),
+        jnp.array([True, True, True, False]),
+        out,
+        jnp.array([5, 8, 2, 4]),
+    )
+    assert realised.tolist()[:2] == [2, 3]
+    assert width.tolist()[:3] == [4, 4, 1]
+    assert graded.tolist() == [True, True, False, False]
+    partial = calibration.probe_outcome(
+        drafts[:1], jnp.array([1]), jnp.array([True]), out[:1], jnp.array([2])
+    )  # one position committed (6): one accepted over width 2
+    assert [int(x[0]) for x in partial] == [1, 2, 1]

@@ -42,10 +42,11 @@ class TableDrafter(nnx.Module):
     """Test double with the drafter's serving interface: drafts by iterating a next-token
     table from the bonus token (content-based, so it works in any slot). One-hot logits."""
 
-    def __init__(self, config: DrafterConfig, next_V):
+    def __init__(self, config: DrafterConfig, next_V, sharpness: float = 20.0):
         self.config = config
         self.table = nnx.Param(jnp.asarray(next_V, jnp.int32))
         self.length_head = None
+        self.sharpness = sharpness  # logit of the drafted token: 20 → confidence ~1
 
     def init_context_cache(self, batch, capacity, dtype=None):
         return KVCache.create(
@@ -69,7 +70,7 @@ class TableDrafter(nnx.Module):
         for _ in range(self.config.block_size - 1):
             tok = table[tok]
             drafts.append(tok)
-        logits = 20.0 * jax.nn.one_hot(jnp.stack(drafts, axis=1), V)
+        logits = self.sharpness * jax.nn.one_hot(jnp.stack(drafts, axis=1), V)
         hidden = jnp.zeros((bonus_B.shape[0], self.config.block_size, self.config.hidden_size))
         return DraftOutput(hidden_BxKxD=hidden, logits_BxKm1xV=logits)
 
@@ -406,6 +407,35 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
         ref = drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats)
         for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
             np.testing.assert_allclose(got[row, :n], want[0, :n], atol=2e-5, rtol=1e-4)
+
+
+def test_calibration_drafts_where_an_unsure_drafter_is_right(target, bigram, reference):
+    """Two drafters equally unsure of every draft (top probability 0.06): the bigram one is
+    often right, the other never. Uncalibrated, neither estimate pays for a draft; graded
+    probes (their drafts against the tokens committed after them) lift the first row's
+    calibration until it drafts, and sink the second's. Both stay lossless."""
+    seen = {t for out in reference["plain"] for t in out}
+    never = next(t for t in range(V) if t not in seen)
+    # drafting pays when a 4-wide step is expected to commit more than 1.5 tokens
+    cost = VerifyCostTable(
+        rows=(1, 8), widths=(1, 2, 4), verify_ms=((1.0, 1.0, 1.0),) * 2, draft_ms=(0.5, 0.5)
+    )
+    runs = {}
+    for name, table in (("right", bigram), ("wrong", np.full((V,), never))):
+        drafter = TableDrafter(_drafter_cfg(4), table, sharpness=2.0)
+        engine = SpeculativeEngine(
+            target,
+            drafter,
+            slots=1,
+            capacity=CAPACITY,
+            buckets=(1, 2, 4),
+            policy=GoodputPolicy(cost=cost, probe_every=3),
+        )
+        results = engine.generate(_requests())
+        assert [r.output_ids for r in results] == reference["plain"], name
+        runs[name] = [q for r in results for q in r.requested_widths]
+    assert np.mean([q > 0 for q in runs["right"]]) > 0.3, runs["right"]
+    assert not any(runs["wrong"]), runs["wrong"]
 
 
 def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):

@@ -3,8 +3,10 @@
 Dimensions: B slots, K block size, V vocab, D drafter width, NW number of width buckets.
 
 A policy sees ONLY the drafter's forward pass of this step (block states, draft logits, the
-length head's r and, later, a per-position acceptance output) plus batch occupancy. It never
-sees which tokens were sampled, so rejection sampling stays lossless under every policy.
+length head's r and, later, a per-position acceptance output) plus batch occupancy, and
+goodput also each row's calibration, which is learnt from EARLIER steps' committed tokens
+(calibration.py). None of it depends on this step's samples, so rejection sampling stays
+lossless under every policy.
 It returns a requested width w_b in [1, K] per row (w = the bonus + w − 1 drafts); the engine
 runs the batch at the smallest bucket >= the largest active request.
 
@@ -16,7 +18,8 @@ the best expected rate of a draft + verify step against a plain target step (wid
 drafter forward), using each row's acceptance estimate from its LATEST drafter forward (stale
 by one or more steps; a fresh request starts at the engine's running mean of drafted rows'
 estimates, 1 before any draft). While it runs plain steps, the engine refreshes the estimates
-every `probe_interval` steps with a probe: one drafter forward, no verify. That decision
+every `probe_interval` steps with a probe: one drafter forward, no verify (graded later
+against the tokens committed after it, which calibrates the row's estimates). That decision
 depends only on earlier steps, never on this step's samples, so it is lossless too; an
 undrafted step is exactly a plain decoding step.
 
@@ -41,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from adaflash_jax.decode.calibration import accepted_at, calibrated
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.length_head import verify_length
 
@@ -59,8 +63,9 @@ class PolicyInput:
     head_accept_BxKm1: jax.Array | None  # per-position acceptance from a head, if any
     active_B: jax.Array  # bool: slot holds an unfinished request
     num_running: jax.Array  # int32 scalar: active slots this step
-    # realised / predicted accepted drafts of recent steps (1 = trust the estimator)
-    accept_scale: jax.Array | float = 1.0
+    # log of the rows' calibration exponent γ (estimates a ↦ a^γ), [B] or a scalar (0 =
+    # trust the estimator); see calibration.py
+    accept_log_gamma: jax.Array | float = 0.0
 
 
 # ---- acceptance estimators -----------------------------------------------------------------
@@ -105,19 +110,18 @@ def accept_probs(inp: PolicyInput, estimator: str, block_size: int) -> jax.Array
 def expected_accepted(accept_BxKm1: jax.Array, widths_W) -> jax.Array:
     """E[accepted drafts | width W] = Σ_{i=1}^{W−1} Π_{j<=i} a_j for each W in `widths_W`
     (a tuple → [B, NW]; an int array [B] → [B], one width per row)."""
+    if not isinstance(widths_W, tuple):
+        return accepted_at(accept_BxKm1, widths_W)
     survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
     zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
     partial_BxK = jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
-    if isinstance(widths_W, tuple):
-        return partial_BxK[:, jnp.asarray(widths_W) - 1]
-    return jnp.take_along_axis(partial_BxK, (widths_W - 1)[:, None], axis=1)[:, 0]
+    return partial_BxK[:, jnp.asarray(widths_W) - 1]
 
 
-def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], scale=1.0):
-    """E[committed tokens | verify width W] = 1 + scale · E[accepted | W], capped at W
-    → [B, NW]. `scale` corrects a mis-calibrated estimator from realised acceptance."""
-    accepted_BxNW = scale * expected_accepted(accept_BxKm1, widths)
-    return 1.0 + jnp.minimum(accepted_BxNW, jnp.asarray(widths, jnp.float32) - 1.0)
+def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gamma=0.0):
+    """E[committed tokens | verify width W] = 1 + E[accepted | W] under the estimates
+    calibrated as a^γ (log_gamma a scalar or one per row; see calibration.py) → [B, NW]."""
+    return 1.0 + expected_accepted(calibrated(accept_BxKm1, log_gamma), widths)
 
 
 def best_width_index(
@@ -125,10 +129,10 @@ def best_width_index(
     active_B: jax.Array,
     step_ms_NW: jax.Array,
     widths: tuple[int, ...],
-    scale=1.0,
+    log_gamma=0.0,
 ) -> jax.Array:
     """Index of the width maximising Σ_active E[committed | W] / step_ms(W) (ties → narrower)."""
-    gain_BxNW = expected_committed(accept_BxKm1, widths, scale)
+    gain_BxNW = expected_committed(accept_BxKm1, widths, log_gamma)
     total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
     return jnp.argmax(total_NW / step_ms_NW).astype(jnp.int32)
 
@@ -189,8 +193,8 @@ class GoodputPolicy(ReadsEstimator):
     estimator: str = "confidence"
     skip_draft: bool = True
     # Undrafted steps between probes (a drafter forward that refreshes the estimates). None:
-    # as many as keep a probe's cost (the table's draft time) within `probe_overhead` of the
-    # plain steps' time, capped at `max_probe_every`.
+    # as many as keep a probe's cost (the table's probe time, else its draft time) within
+    # `probe_overhead` of the plain steps' time, capped at `max_probe_every`.
     probe_every: int | None = None
     probe_overhead: float = 0.05
     max_probe_every: int = 64
@@ -225,7 +229,7 @@ class GoodputPolicy(ReadsEstimator):
         """(width_B, acceptance estimate [B, K−1]) of a drafted step."""
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)
         step_ms_NW = self.cost.step_ms(inp.num_running, buckets)
-        idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets, inp.accept_scale)
+        idx = best_width_index(a_BxKm1, inp.active_B, step_ms_NW, buckets, inp.accept_log_gamma)
         width_B = jnp.full(inp.active_B.shape, jnp.asarray(buckets, jnp.int32)[idx], jnp.int32)
         return width_B, a_BxKm1
 
@@ -234,12 +238,13 @@ class GoodputPolicy(ReadsEstimator):
 
     def probe_interval(self, num_running, buckets: tuple[int, ...]) -> jax.Array:
         """Undrafted steps between probes (int32 scalar, traceable). A probe is one drafter
-        forward without a verify, so its cost is the table's draft time."""
+        forward without a verify: its cost is the table's measured probe time, else its draft
+        time."""
         if self.probe_every is not None:
             return jnp.asarray(self.probe_every, jnp.int32)
         plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
-        draft_ms = self.cost.draft_step_ms(num_running)
-        steps = jnp.ceil(draft_ms / (self.probe_overhead * plain_ms))
+        probe_ms = self.cost.probe_step_ms(num_running)
+        steps = jnp.ceil(probe_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
 
     def speculate(
@@ -249,7 +254,7 @@ class GoodputPolicy(ReadsEstimator):
         undrafted,
         *,
         buckets: tuple[int, ...],
-        scale=1.0,
+        log_gamma=0.0,
         switching: bool = False,
     ):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
@@ -258,7 +263,7 @@ class GoodputPolicy(ReadsEstimator):
         where drafting first costs a host switch of programs; that one step must pay for it
         (the table's `switch_ms`), so marginal gains do not flip programs back and forth."""
         num_running = jnp.sum(active_B.astype(jnp.int32))
-        gain_BxNW = expected_committed(accept_BxKm1, buckets, scale)
+        gain_BxNW = expected_committed(accept_BxKm1, buckets, log_gamma)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
         drafted_ms_NW = self.cost.step_ms(num_running, buckets)
         if switching:

@@ -29,6 +29,9 @@ Invariants of a live slot b (one request):
   with one drafter forward and no verify (`probe`), between runs of steps (a conditional
   there, not in every step), and leaves only when drafting pays again. A verified drafted
   step as the probe would cost two program switches besides the verify.
+- Each row's estimates are calibrated (a ↦ a^γ) to its own realised acceptance
+  (`calibration.py`): drafted steps feed it, and so do probes, graded against the tokens the
+  undrafted steps commit after them.
 The plain path (`drafter is None`) uses the same state and scheduler with width 1.
 """
 
@@ -42,13 +45,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from adaflash_jax.decode import acceptance
-from adaflash_jax.decode.policies import FixedPolicy, PolicyInput, expected_accepted
+from adaflash_jax.decode import acceptance, calibration
+from adaflash_jax.decode.policies import FixedPolicy, PolicyInput
 from adaflash_jax.decode.verify import pad_width, verify_forward, write_new_entries
 from adaflash_jax.model.kv_cache import KVCache
 
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
-CALIB_RATE = 0.1  # EMA weight of one drafted step in the realised / predicted acceptance
 
 
 @struct.dataclass
@@ -67,7 +69,13 @@ class SpecState:
     request_BxC: jax.Array  # int32 the row's requested width per step (0: undrafted step)
     accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
     accept_prior_Km1: jax.Array  # float32 a fresh request's estimate: EMA of drafted rows'
-    accept_calib_2: jax.Array  # float32 EMA of (realised, predicted) accepted drafts per row
+    # float32 log of the estimates' calibration exponent γ: per row, and over all rows (a
+    # fresh request's start); see calibration.py
+    accept_log_gamma_B: jax.Array
+    accept_log_gamma: jax.Array
+    probe_drafts_BxKm1: jax.Array  # int32 greedy drafts of the row's latest probe
+    probe_at_B: jax.Array  # int32 the row's output length at that probe
+    probe_live_B: jax.Array  # bool: that probe is of the row's current request, not graded yet
     undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
     probes: jax.Array  # int32 scalar: estimate-only drafter forwards (`probe`) so far
     # undrafted steps' target features not yet in the drafter context (None unless skip_draft)
@@ -169,7 +177,11 @@ def init_state(
         request_BxC=blank_BxC(),
         accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
         accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
-        accept_calib_2=jnp.ones((2,), jnp.float32),
+        accept_log_gamma_B=jnp.zeros((slots,), jnp.float32),
+        accept_log_gamma=jnp.zeros((), jnp.float32),
+        probe_drafts_BxKm1=jnp.zeros((slots, _block_size(drafter) - 1), jnp.int32),
+        probe_at_B=jnp.zeros((slots,), jnp.int32),
+        probe_live_B=jnp.zeros((slots,), bool),
         undrafted=jnp.asarray(NEVER_REFRESHED, jnp.int32),  # the first undrafted loop probes
         probes=jnp.zeros((), jnp.int32),
         pending_BxUxnD=pending_BxUxnD,
@@ -199,7 +211,7 @@ def _drafter_forward(target, drafter, s: SpecState, spec: EngineSpec) -> PolicyI
         ),
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
-        accept_scale=accept_scale(s) if spec.skip_draft else 1.0,
+        accept_log_gamma=s.accept_log_gamma_B if spec.skip_draft else 0.0,
     )
 
 
@@ -245,8 +257,10 @@ def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
 
 def probe(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     """Refreshes the rows' acceptance estimates from one drafter forward, without verifying
-    (the undrafted program's periodic check whether drafting pays again). The context must be
-    current (flushed). Decides from committed tokens only, so it keeps decoding lossless."""
+    (the undrafted program's periodic check whether drafting pays again), after grading the
+    previous probe against what was committed since. The context must be current (flushed).
+    Decides from committed tokens only, so it keeps decoding lossless."""
+    s = grade_probe(s)
     inp = _drafter_forward(target, drafter, s, spec)
     _, fresh_BxKm1 = spec.policy.decide(inp, block_size=spec.block_size, buckets=spec.buckets)
     est_BxKm1, prior_Km1 = _fresh_estimates(s, inp.active_B, fresh_BxKm1)
@@ -255,6 +269,23 @@ def probe(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         accept_prior_Km1=prior_Km1,
         undrafted=jnp.zeros_like(s.undrafted),
         probes=s.probes + 1,
+        probe_drafts_BxKm1=jnp.argmax(inp.logits_BxKm1xV, axis=-1).astype(jnp.int32),
+        probe_at_B=s.num_out_B,
+        probe_live_B=inp.active_B,
+    )
+
+
+def grade_probe(s: SpecState) -> SpecState:
+    """Feeds the latest probe's outcome (its drafts against the tokens committed since) into
+    the rows' calibration, before anything replaces the estimates it was made with."""
+    realised_B, width_B, graded_B = calibration.probe_outcome(
+        s.probe_drafts_BxKm1, s.probe_at_B, s.probe_live_B, s.out_BxC, s.num_out_B
+    )
+    rows_B, engine = calibration.update(
+        s.accept_log_gamma_B, s.accept_log_gamma, s.accept_est_BxKm1, width_B, realised_B, graded_B
+    )
+    return s.replace(
+        accept_log_gamma_B=rows_B, accept_log_gamma=engine, probe_live_B=s.probe_live_B & ~graded_B
     )
 
 
@@ -372,38 +403,15 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         accept_est_BxKm1=est_BxKm1,
         accept_prior_Km1=prior_Km1,
-        accept_calib_2=(
-            _calibrate(s, est_BxKm1, width_B, accepted_B, active_B)
-            if spec.skip_draft
-            else s.accept_calib_2
-        ),
         undrafted=jnp.zeros_like(s.undrafted),
         rng=rng,
     )
-
-
-def accept_scale(s: SpecState) -> jax.Array:
-    """Realised / predicted accepted drafts of recent drafted steps, in [1/4, 4]: corrects an
-    estimator that is systematically over- or under-confident (past steps only: lossless)."""
-    realised, predicted = s.accept_calib_2[0], s.accept_calib_2[1]
-    return jnp.clip(realised / jnp.maximum(predicted, 1e-3), 0.25, 4.0)
-
-
-def _calibrate(s: SpecState, est_BxKm1, width_B, accepted_B, active_B) -> jax.Array:
-    """EMA update of (realised, predicted) accepted drafts per active row, at the widths the
-    rows verified (both capped there, so they compare like with like)."""
-    n = jnp.maximum(jnp.sum(active_B), 1)
-    predicted_B = expected_accepted(est_BxKm1, width_B)
-    now_2 = jnp.stack(
-        [
-            jnp.sum(jnp.where(active_B, accepted_B, 0)).astype(jnp.float32) / n,
-            jnp.sum(jnp.where(active_B, predicted_B, 0.0)) / n,
-        ]
-    )
-    fresh = jnp.any(active_B)
-    return jnp.where(
-        fresh, (1.0 - CALIB_RATE) * s.accept_calib_2 + CALIB_RATE * now_2, s.accept_calib_2
-    )
+    if spec.skip_draft:  # the rows' realised acceptance against their estimates
+        rows_B, engine = calibration.update(
+            s.accept_log_gamma_B, s.accept_log_gamma, est_BxKm1, width_B, accepted_B, active_B
+        )
+        s = s.replace(accept_log_gamma_B=rows_B, accept_log_gamma=engine)
+    return s
 
 
 def _pick(key, logits_BxV, s: SpecState, spec: EngineSpec):
@@ -520,6 +528,10 @@ def prefill(target, drafter, s: SpecState, slots_R, prompt_RxP, prompt_len_R, ma
         done_B=_scatter_rows(s.done_B, jnp.zeros((r,), bool), slots_R),
         steps_B=_scatter_rows(s.steps_B, zero_R, slots_R),
         pending_B=_scatter_rows(s.pending_B, zero_R, slots_R),
+        accept_log_gamma_B=_scatter_rows(
+            s.accept_log_gamma_B, jnp.broadcast_to(s.accept_log_gamma, (r,)), slots_R
+        ),
+        probe_live_B=_scatter_rows(s.probe_live_B, jnp.zeros((r,), bool), slots_R),
         accepted_BxC=_scatter_rows(s.accepted_BxC, blank_RxC, slots_R),
         width_BxC=_scatter_rows(s.width_BxC, blank_RxC, slots_R),
         request_BxC=_scatter_rows(s.request_BxC, blank_RxC, slots_R),
@@ -550,7 +562,7 @@ def wants_draft(drafter, s: SpecState, spec: EngineSpec):
         ~s.done_B,
         s.undrafted,
         buckets=spec.buckets,
-        scale=accept_scale(s),
+        log_gamma=s.accept_log_gamma_B,
         switching=spec.undrafted_mode,
     )
 
@@ -571,7 +583,7 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
 
     if drafting:
-        carry = (flush_pending(drafter, s), jnp.int32(0), jnp.int32(0))
+        carry = (grade_probe(flush_pending(drafter, s)), jnp.int32(0), jnp.int32(0))
         s, steps, finished = jax.lax.while_loop(cond, body, carry)
         return s, steps, finished, wants_draft(drafter, s, spec)
 
@@ -581,15 +593,25 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
 
     def refreshed(s):
         # only the small outputs leave the conditional: no cache flows through it
-        def small(s):
-            return s.accept_est_BxKm1, s.accept_prior_Km1, s.undrafted, s.probes
+        fields = (
+            "accept_est_BxKm1",
+            "accept_prior_Km1",
+            "undrafted",
+            "probes",
+            "accept_log_gamma_B",
+            "accept_log_gamma",
+            "probe_drafts_BxKm1",
+            "probe_at_B",
+            "probe_live_B",
+        )
 
-        est, prior, undrafted, probes = jax.lax.cond(
+        def small(s):
+            return {f: getattr(s, f) for f in fields}
+
+        changed = jax.lax.cond(
             probe_due(s), lambda: small(probe(target, drafter, s, spec)), lambda: small(s)
         )
-        return s.replace(
-            accept_est_BxKm1=est, accept_prior_Km1=prior, undrafted=undrafted, probes=probes
-        )
+        return s.replace(**changed)
 
     def prepared(s):
         # a current context, and fresh estimates when a probe is due

@@ -17,10 +17,13 @@ count (B: the step's cost does not depend on how many slots are active):
     draft_ms   = step(drafted, W = 1) − step(undrafted)      (clamped at 0)
     verify_ms[W] = step(drafted, W) − draft_ms               (so verify_ms[1] = step(undrafted))
     switch_ms  = call(undrafted, 1 step) − step(undrafted)   (a device call's own overhead)
+    probe_ms   = step(undrafted, a probe after each) − step(undrafted)
 
 and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
-measured undrafted step. Each case compiles one loop program (|buckets| + 1 in all; the
-one-step call reuses the undrafted program); the result is cached like the forward table.
+measured undrafted step; its probe interval follows the probe's real cost (on the CPU at one
+slot a probe cost ~2–4 ms in the loop against a 1.3 ms draft forward in the table). Each case
+compiles one loop program (|buckets| + 2 in all; the one-step call reuses the undrafted
+program); the result is cached like the forward table.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/9"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/10"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,17 +56,21 @@ class ForcedStep(ReadsEstimator):
     width: int
     draft: bool
     estimator: str = "confidence"
+    probe_every: int | None = None  # None: no probes (the measured steps run unbroken)
     name = "forced"
     skip_draft = True
 
     def validate(self, **_):
         pass
 
-    def speculate(self, accept_BxKm1, active_B, undrafted, *, buckets, scale=1.0, switching=False):
+    def speculate(
+        self, accept_BxKm1, active_B, undrafted, *, buckets, log_gamma=0.0, switching=False
+    ):
         return jnp.asarray(self.draft)
 
     def probe_interval(self, num_running, buckets):
-        return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)  # the measured steps run unbroken
+        every = jnp.iinfo(jnp.int32).max if self.probe_every is None else self.probe_every
+        return jnp.asarray(every, jnp.int32)
 
     def decide(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         a_BxKm1 = accept_probs(inp, self.estimator, block_size)
@@ -138,13 +145,15 @@ def calibrate_engine(
     cases = [(undrafted, steps)]
     cases += [(ForcedStep(width=w, draft=True, estimator=estimator), steps) for w in engine.buckets]
     cases += [(undrafted, 1)]  # a whole device call for one step: the switch overhead
+    # a probe after every undrafted step (its own program: the interval is static)
+    cases += [(dataclasses.replace(undrafted, probe_every=1), steps)]
     times = [[] for _ in cases]
     for r in range(rounds + 1):
         for i, (case, n) in enumerate(cases):
             ms = _case_ms(engine, case, steps=n, seed=seed + r)
             if r:  # round 0 compiles
                 times[i].append(ms)
-    plain, *drafted, one_call = (min(t) for t in times)
+    plain, *drafted, one_call, probing = (min(t) for t in times)
     at_1 = drafted[0] if engine.buckets[0] == 1 else plain
     draft = max(at_1 - plain, 0.0)
     verify = tuple(max(d - draft, 1e-3) for d in drafted)
@@ -154,6 +163,7 @@ def calibrate_engine(
         verify_ms=(verify,),
         draft_ms=(draft,),
         switch_ms=max(one_call - plain, 0.0),
+        probe_ms=max(probing - plain, 0.0),
         device=device_kind(),
         model=f"{KIND} slots {engine.slots} capacity {engine.capacity} estimator {estimator} "
         f"{'greedy' if engine.spec.greedy else 'sampled'}",

@@ -38,6 +38,9 @@ class VerifyCostTable:
     # one host switch between the engine's drafted and undrafted loop programs (measured by
     # the engine-step calibration; 0 where unknown)
     switch_ms: float = 0.0
+    # one probe in the undrafted program: the drafter forward with the context flush before it
+    # and the loop exit around it (engine-step calibration); None: the draft time
+    probe_ms: float | None = None
     device: str = "unknown"
     model: str = ""  # free-form description of the shapes measured
 
@@ -49,6 +52,10 @@ class VerifyCostTable:
         )
         object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
         object.__setattr__(self, "switch_ms", float(self.switch_ms))
+        if self.probe_ms is not None:
+            object.__setattr__(self, "probe_ms", float(self.probe_ms))
+            if not self.probe_ms >= 0:
+                raise ValueError(f"probe_ms must be non-negative: {self.probe_ms}")
         if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
             raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
         if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
@@ -79,6 +86,12 @@ class VerifyCostTable:
         n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
         rows_NR = jnp.asarray(self.rows, jnp.float32)
         return jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
+
+    def probe_step_ms(self, num_rows) -> jax.Array:
+        """One probe's cost (jnp scalar): measured, else the drafter's block forward."""
+        if self.probe_ms is not None:
+            return jnp.asarray(self.probe_ms, jnp.float32)
+        return self.draft_step_ms(num_rows)
 
     def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
         """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""

@@ -1,0 +1,100 @@
+"""Online calibration of the acceptance estimator, per request row (goodput).
+
+Dimensions: B slots, K block size, C per-slot output buffer length.
+
+Why: an estimator can be far off for a given drafter and domain. Measured with the tiny
+target on the embedded math prompts at one slot: the confidence estimator (the drafter's top
+probability) gave per-position rates of 0.1–0.5 and so about 0.5 expected accepted drafts
+per 8-wide step, while 5–7 were accepted (fixed-block τ 6.0): the drafter's argmax is right
+even where its distribution is flat. Goodput then stayed in plain steps where drafting paid
+1.6x. Scaling the expected count cannot fix that (it would need a factor > 10 that must not
+apply to prose, where the same estimator is too high), and an engine-wide correction learnt
+only from drafted steps learns nothing once nothing drafts.
+
+So each row calibrates its per-position estimates with an exponent, a_i ↦ a_i^γ (γ < 1 lifts
+an under-confident estimator, γ > 1 lowers an over-confident one, and the ordering across
+positions and steps is kept). Each observed outcome (a draft of known estimates, graded
+over width W, with n drafts accepted) gives the γ* at which the expected accepted count
+Σ_{i<W} Π_{j<=i} a_j^γ equals n (by bisection: the count falls as γ grows); a row keeps an
+EMA of log γ*. Outcomes come from:
+- drafted steps: the verified accepted count at the verified width;
+- probes, graded after the fact: a probe is a drafter forward without a verify; its greedy
+  drafts are compared with the tokens the following undrafted steps commit. In greedy
+  decoding the leading matches are exactly what verifying that draft would have accepted,
+  at no target cost. (With sampling, the match of the drafter's argmax against the sampled
+  token stands in for the rejection-sampling acceptance: a proxy, not the same quantity.)
+Only committed tokens are read, so decisions stay lossless. A fresh request starts from the
+engine-wide EMA of all rows' outcomes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+ROW_RATE = 0.3  # EMA weight of one outcome in its row's log γ
+ENGINE_RATE = 0.1  # EMA weight of one step's mean outcome in the engine-wide log γ
+MAX_LOG_GAMMA = math.log(32.0)  # γ within [1/32, 32]
+FIT_ITERS = 24
+
+
+def calibrated(accept_BxKm1: jax.Array, log_gamma) -> jax.Array:
+    """a^γ per row (log_gamma a scalar or [B])."""
+    lg = jnp.asarray(log_gamma, jnp.float32)
+    gamma = jnp.exp(lg)[..., None] if lg.ndim == 1 else jnp.exp(lg)
+    return jnp.power(jnp.clip(accept_BxKm1.astype(jnp.float32), 0.0, 1.0), gamma)
+
+
+def accepted_at(accept_BxKm1: jax.Array, width_B: jax.Array) -> jax.Array:
+    """E[accepted drafts] = Σ_{i=1}^{W−1} Π_{j<=i} a_j at each row's width W → [B]."""
+    survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
+    j_Km1 = jnp.arange(1, accept_BxKm1.shape[-1] + 1)
+    return jnp.sum(jnp.where(j_Km1[None, :] < width_B[:, None], survive_BxKm1, 0.0), axis=-1)
+
+
+def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
+    """log γ* per row: the exponent at which the expected accepted count at width_B equals the
+    realised one (clipped to ±MAX_LOG_GAMMA when no exponent reaches it)."""
+    target_B = realised_B.astype(jnp.float32)
+
+    def body(_, lo_hi):
+        lo_B, hi_B = lo_hi
+        mid_B = 0.5 * (lo_B + hi_B)
+        too_few_B = accepted_at(calibrated(est_BxKm1, mid_B), width_B) < target_B
+        return jnp.where(too_few_B, lo_B, mid_B), jnp.where(too_few_B, mid_B, hi_B)
+
+    lo = jnp.full_like(target_B, -MAX_LOG_GAMMA)
+    hi = jnp.full_like(target_B, MAX_LOG_GAMMA)
+    lo, hi = jax.lax.fori_loop(0, FIT_ITERS, body, (lo, hi))
+    return 0.5 * (lo + hi)
+
+
+def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
+    """EMA updates of the rows' and the engine's log γ from outcomes: row b's draft, with raw
+    estimates est_BxKm1[b], was verified (or graded) over width_B[b] and realised_B[b] drafts
+    were (or would have been) accepted. Rows not `graded_B` keep theirs. Returns
+    (log_gamma_B, log_gamma)."""
+    fit_B = fit_log_gamma(est_BxKm1, width_B, realised_B)
+    rows_B = jnp.where(graded_B, (1 - ROW_RATE) * log_gamma_B + ROW_RATE * fit_B, log_gamma_B)
+    n = jnp.sum(graded_B)
+    mean = jnp.sum(jnp.where(graded_B, fit_B, 0.0)) / jnp.maximum(n, 1)
+    engine = jnp.where(n > 0, (1 - ENGINE_RATE) * log_gamma + ENGINE_RATE * mean, log_gamma)
+    return rows_B, engine
+
+
+def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxC, num_out_B):
+    """How a probe's drafts fared against the tokens committed since: a probe at output
+    position at_B[b] drafted the tokens for positions at_B[b] .. at_B[b] + K − 2; of those,
+    the ones committed so far can be graded. Returns (realised_B: leading matches, width_B:
+    1 + graded positions, graded_B: live rows with at least one position to grade)."""
+    b, km1 = drafts_BxKm1.shape
+    c = out_BxC.shape[1]
+    avail_B = jnp.clip(num_out_B - at_B, 0, km1)
+    j_Km1 = jnp.arange(km1, dtype=jnp.int32)
+    pos_BxKm1 = jnp.clip(at_B[:, None] + j_Km1[None, :], 0, c - 1)
+    committed_BxKm1 = jnp.take_along_axis(out_BxC, pos_BxKm1, axis=1)
+    match_BxKm1 = (committed_BxKm1 == drafts_BxKm1) & (j_Km1[None, :] < avail_B[:, None])
+    realised_B = jnp.sum(jnp.cumprod(match_BxKm1.astype(jnp.int32), axis=1), axis=1)
+    return realised_B, avail_B + 1, live_B & (avail_B > 0)
