@@ -20,5 +20,5 @@ class DraftEveryNth(GoodputPolicy):
     ):
         return undrafted >= self.n
 
-    def probe_interval(self, num_running, buckets):
+    def probe_interval(self, num_running, buckets, **_):
         return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)

@@ -278,37 +278,59 @@ def test_entering_drafting_must_pay_for_the_switch():
         assert bool(policy.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
             enter
         ), a
+        assert bool(policy.drafting_gain(accept, active, buckets=BUCKETS) > 1.0) == enter, a
     assert VerifyCostTable.from_json({**TABLE.to_json(), "switch_ms": 2.0}) == table
     old = TABLE.to_json()
     del old["switch_ms"]  # tables written before the field existed
     assert VerifyCostTable.from_json(old).switch_ms == 0.0
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixedGain(GoodputPolicy):
+    """Goodput whose drafting gain is given, to pin the probe interval's scaling."""
+
+    gain: float = 0.5
+
+    def drafting_gain(self, accept_BxKm1, active_B, **_):
+        return jnp.float32(self.gain)
+
+
+def _interval(policy, rows):
+    accept, active = jnp.full((2, K - 1), 0.5), jnp.ones((2,), bool)
+    return int(
+        policy.probe_interval(jnp.int32(rows), BUCKETS, accept_BxKm1=accept, active_B=active)
+    )
+
+
 def test_probe_interval_bounds_the_probe_overhead():
-    """Default interval: ceil(draft forward (a probe) / (5% · plain step)), within
-    [1, max_probe_every]; an explicit probe_every wins."""
-    policy = GoodputPolicy(cost=TABLE)
+    """Base interval: ceil(probe (else draft forward) / (5% · plain step)), scaled by
+    2·(1 − drafting gain) within [1/8, 2], then within [1, max_probe_every]; an explicit
+    probe_every wins."""
+    policy = FixedGain(cost=TABLE)  # gain 0.5: the base interval
     # 1 row: plain 1.0 ms, draft 0.3 ms → 0.3 / 0.05 = 6 steps
-    assert int(policy.probe_interval(jnp.int32(1), BUCKETS)) == 6
+    assert _interval(policy, 1) == 6
     # 16 rows: plain 2.0, draft 1 → 1 / 0.1 = 10
-    assert int(policy.probe_interval(jnp.int32(16), BUCKETS)) == 10
-    tight = GoodputPolicy(cost=TABLE, probe_overhead=0.005)  # 1 / 0.01 = 100, capped at 64
-    assert int(tight.probe_interval(jnp.int32(16), BUCKETS)) == 64
-    assert int(GoodputPolicy(cost=TABLE, probe_every=3).probe_interval(1, BUCKETS)) == 3
-    loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
-    assert int(loose.probe_interval(jnp.int32(1), BUCKETS)) == 2
+    assert _interval(policy, 16) == 10
+    assert _interval(FixedGain(cost=TABLE, gain=0.0), 16) == 20  # far from paying: 2x
+    assert _interval(FixedGain(cost=TABLE, gain=0.75), 16) == 5  # closer: more often
+    assert _interval(FixedGain(cost=TABLE, gain=0.99), 16) == 2  # 10 / 8, rounded up
+    tight = FixedGain(cost=TABLE, probe_overhead=0.005)  # 1 / 0.01 = 100, capped at 64
+    assert _interval(tight, 16) == 64
+    assert _interval(FixedGain(cost=TABLE, probe_every=3, gain=0.0), 1) == 3
+    loose = FixedGain(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
+    assert _interval(loose, 1) == 2
     # a measured probe cost (the engine-step calibration's) replaces the draft time
-    measured = GoodputPolicy(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
-    assert int(measured.probe_interval(jnp.int32(1), BUCKETS)) == 18
+    measured = FixedGain(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
+    assert _interval(measured, 1) == 18
     assert VerifyCostTable.from_json(measured.cost.to_json()) == measured.cost
     with pytest.raises(ValueError, match="probe_ms"):
         dataclasses.replace(TABLE, probe_ms=-1.0)
 
 
 def test_calibration_exponent_fits_the_realised_acceptance():
-    """a ↦ a^γ: the fitted γ* reproduces the realised count at the observed width (γ < 1
-    for an under-confident estimator, > 1 for an over-confident one); a row's log γ is an
-    EMA of fits, only over graded rows, and the engine's follows their mean."""
+    """a ↦ a^γ: the fitted γ* reproduces a count at the observed width (γ < 1 for an
+    under-confident estimator, > 1 for an over-confident one); an update moves each graded
+    row's count part of the way to its outcome, and the engine's γ follows their mean."""
     est = jnp.array([[0.4, 0.4, 0.4], [0.9, 0.9, 0.9], [0.5, 0.5, 0.5]])
     width = jnp.array([4, 4, 3])
     realised = jnp.array([2.5, 0.5, 1.0])
@@ -319,12 +341,24 @@ def test_calibration_exponent_fits_the_realised_acceptance():
     # beyond reach: every draft accepted needs γ → 0, clipped at the bound
     full = calibration.fit_log_gamma(est[:1], jnp.array([4]), jnp.array([3]))
     np.testing.assert_allclose(full, -calibration.MAX_LOG_GAMMA, rtol=1e-3)
+    # an update moves the calibrated expected count a RATE fraction towards the outcome
     rows, engine = calibration.update(
         jnp.zeros(3), jnp.float32(0.0), est, width, realised, jnp.array([True, True, False])
     )
-    rate = calibration.ROW_RATE
-    np.testing.assert_allclose(rows, [rate * lg[0], rate * lg[1], 0.0], rtol=1e-5)
-    np.testing.assert_allclose(engine, calibration.ENGINE_RATE * (lg[0] + lg[1]) / 2, rtol=1e-5)
+    before = calibration.accepted_at(est, width)
+    after = calibration.accepted_at(calibration.calibrated(est, rows), width)
+    want = before + calibration.ROW_RATE * (realised - before)
+    np.testing.assert_allclose(after[:2], want[:2], rtol=1e-3)
+    assert float(rows[2]) == 0.0  # not graded
+    engine_fits = calibration.fit_log_gamma(
+        est, width, before + calibration.ENGINE_RATE * (realised - before)
+    )
+    np.testing.assert_allclose(engine, (engine_fits[0] + engine_fits[1]) / 2, rtol=1e-4)
+    # a zero outcome lowers the count, without sending γ to its bound
+    low, _ = calibration.update(
+        jnp.zeros(1), jnp.float32(0.0), est[:1], width[:1], jnp.zeros(1), jnp.ones(1, bool)
+    )
+    assert 0 < float(low[0]) < calibration.MAX_LOG_GAMMA / 2
     # the policies read calibrated estimates: γ = 1/2 turns 0.25 into 0.5
     a = jnp.full((1, K - 1), 0.25)
     np.testing.assert_allclose(

@@ -435,7 +435,34 @@ def test_calibration_drafts_where_an_unsure_drafter_is_right(target, bigram, ref
         assert [r.output_ids for r in results] == reference["plain"], name
         runs[name] = [q for r in results for q in r.requested_widths]
     assert np.mean([q > 0 for q in runs["right"]]) > 0.3, runs["right"]
-    assert not any(runs["wrong"]), runs["wrong"]
+    assert not any(runs["wrong"]), "".join(map(str, runs["wrong"]))
+
+
+def test_drafted_steps_calibrate_their_rows(target, bigram):
+    """Verified steps feed the calibration too: an unsure drafter (confidence 0.06) that is
+    often right drives its row's log γ, and the engine's, below 0 (drafts are free in this
+    table, so every step drafts whatever the estimates)."""
+    drafter = TableDrafter(_drafter_cfg(4), bigram, sharpness=2.0)
+    free_drafts = VerifyCostTable(
+        rows=(1,), widths=(1, 2, 4), verify_ms=((1.0,) * 3,), draft_ms=(0,)
+    )
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        slots=1,
+        capacity=CAPACITY,
+        buckets=(1, 2, 4),
+        policy=GoodputPolicy(cost=free_drafts, probe_every=1000),
+        eos_ids=(),
+    )
+    state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
+    engine._drafting = True
+    state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=6)
+    assert np.all(np.asarray(state.request_BxC[0, :steps]) > 0), "every step drafts"
+    accepted = np.asarray(state.accepted_BxC[0, :steps])
+    assert accepted.mean() > 0.5, accepted  # far above the ~0.06 expected per step
+    row, whole = float(state.accept_log_gamma_B[0]), float(state.accept_log_gamma)
+    assert row < 0 and whole < 0, (row, whole)
 
 
 def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):
@@ -446,8 +473,8 @@ def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter)
         target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
     )
     state = engine.init_state(0)
-    np.testing.assert_array_equal(state.accept_prior_Km1, np.ones(3))
     state = engine._prefill(state, [(0, PROMPTS[0], 12)])
+    np.testing.assert_array_equal(state.accept_est_BxKm1[0], np.ones(3))  # no forward yet
     state, _, _, _ = engine.run(state, stop_on_finish=False)
     prior = np.asarray(state.accept_prior_Km1)
     assert np.all((prior >= 0) & (prior < 0.99)), prior  # a random drafter is unsure

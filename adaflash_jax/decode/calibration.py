@@ -14,9 +14,9 @@ only from drafted steps learns nothing once nothing drafts.
 So each row calibrates its per-position estimates with an exponent, a_i ↦ a_i^γ (γ < 1 lifts
 an under-confident estimator, γ > 1 lowers an over-confident one, and the ordering across
 positions and steps is kept). Each observed outcome (a draft of known estimates, graded
-over width W, with n drafts accepted) gives the γ* at which the expected accepted count
-Σ_{i<W} Π_{j<=i} a_j^γ equals n (by bisection: the count falls as γ grows); a row keeps an
-EMA of log γ*. Outcomes come from:
+over width W, with n drafts accepted) moves the row's calibrated expected count
+Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the way towards n, and γ is refit to that count (by
+bisection: the count falls as γ grows). Outcomes come from:
 - drafted steps: the verified accepted count at the verified width;
 - probes, graded after the fact: a probe is a drafter forward without a verify; its greedy
   drafts are compared with the tokens the following undrafted steps commit. In greedy
@@ -34,8 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-ROW_RATE = 0.3  # EMA weight of one outcome in its row's log γ
-ENGINE_RATE = 0.1  # EMA weight of one step's mean outcome in the engine-wide log γ
+ROW_RATE = 0.3  # how far one outcome moves its row's expected count towards it
+ENGINE_RATE = 0.1  # the same for the engine-wide γ (a fresh request's start)
 MAX_LOG_GAMMA = math.log(32.0)  # γ within [1/32, 32]
 FIT_ITERS = 24
 
@@ -72,16 +72,24 @@ def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
 
 
 def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
-    """EMA updates of the rows' and the engine's log γ from outcomes: row b's draft, with raw
+    """Updates of the rows' and the engine's log γ from outcomes: row b's draft, with raw
     estimates est_BxKm1[b], was verified (or graded) over width_B[b] and realised_B[b] drafts
-    were (or would have been) accepted. Rows not `graded_B` keep theirs. Returns
-    (log_gamma_B, log_gamma)."""
-    fit_B = fit_log_gamma(est_BxKm1, width_B, realised_B)
-    rows_B = jnp.where(graded_B, (1 - ROW_RATE) * log_gamma_B + ROW_RATE * fit_B, log_gamma_B)
+    were (or would have been) accepted. Each moves the calibrated expected count a RATE
+    fraction of the way to the realised one and refits γ to that (a single outcome is noisy,
+    and a 0 or a full block alone would fit γ at a bound). Rows not `graded_B` keep theirs;
+    the engine's becomes the mean of its refits over the graded rows. Returns (log_gamma_B,
+    log_gamma)."""
+    realised_B = realised_B.astype(jnp.float32)
+
+    def refit(lg, rate):
+        now_B = accepted_at(calibrated(est_BxKm1, lg), width_B)
+        return fit_log_gamma(est_BxKm1, width_B, now_B + rate * (realised_B - now_B))
+
+    rows_B = jnp.where(graded_B, refit(log_gamma_B, ROW_RATE), log_gamma_B)
     n = jnp.sum(graded_B)
-    mean = jnp.sum(jnp.where(graded_B, fit_B, 0.0)) / jnp.maximum(n, 1)
-    engine = jnp.where(n > 0, (1 - ENGINE_RATE) * log_gamma + ENGINE_RATE * mean, log_gamma)
-    return rows_B, engine
+    engine_B = refit(jnp.broadcast_to(log_gamma, log_gamma_B.shape), ENGINE_RATE)
+    mean = jnp.sum(jnp.where(graded_B, engine_B, 0.0)) / jnp.maximum(n, 1)
+    return rows_B, jnp.where(n > 0, mean, log_gamma)
 
 
 def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxC, num_out_B):

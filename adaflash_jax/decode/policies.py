@@ -236,16 +236,42 @@ class GoodputPolicy(ReadsEstimator):
     def widths(self, inp: PolicyInput, *, block_size: int, buckets: tuple[int, ...]):
         return self.decide(inp, block_size=block_size, buckets=buckets)[0]
 
-    def probe_interval(self, num_running, buckets: tuple[int, ...]) -> jax.Array:
+    def probe_interval(
+        self, num_running, buckets: tuple[int, ...], *, accept_BxKm1, active_B, log_gamma=0.0
+    ) -> jax.Array:
         """Undrafted steps between probes (int32 scalar, traceable). A probe is one drafter
         forward without a verify: its cost is the table's measured probe time, else its draft
-        time."""
+        time. The base interval keeps probes within `probe_overhead` of the plain steps'
+        time; it is scaled by 2·(1 − g), clipped to [1/8, 2], where g is the latest
+        estimates' drafting gain (`drafting_gain`): a row set where drafting nearly pays is
+        probed up to 8x as often (each graded probe also calibrates the estimates), one far
+        from it half as often."""
         if self.probe_every is not None:
             return jnp.asarray(self.probe_every, jnp.int32)
         plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
         probe_ms = self.cost.probe_step_ms(num_running)
-        steps = jnp.ceil(probe_ms / (self.probe_overhead * plain_ms))
+        gain = self.drafting_gain(accept_BxKm1, active_B, buckets=buckets, log_gamma=log_gamma)
+        urgency = jnp.clip(2.0 * (1.0 - gain), 1.0 / 8.0, 2.0)
+        steps = jnp.ceil(urgency * probe_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
+
+    def _rates(self, accept_BxKm1, active_B, buckets, log_gamma, switching):
+        """(best drafted, plain) expected committed tokens per ms over the active rows."""
+        num_running = jnp.sum(active_B.astype(jnp.int32))
+        gain_BxNW = expected_committed(accept_BxKm1, buckets, log_gamma)
+        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
+        if switching:
+            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms
+        drafted_rate = jnp.max(total_NW / drafted_ms_NW)
+        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
+        return drafted_rate, plain_rate
+
+    def drafting_gain(self, accept_BxKm1, active_B, *, buckets: tuple[int, ...], log_gamma=0.0):
+        """Best drafted rate / plain rate as seen from the undrafted program (the switch
+        included): > 1 where it would start drafting (float32 scalar; 0 with no active row)."""
+        drafted, plain = self._rates(accept_BxKm1, active_B, buckets, log_gamma, True)
+        return jnp.where(plain > 0, drafted / jnp.maximum(plain, 1e-9), 0.0)
 
     def speculate(
         self,
@@ -262,14 +288,9 @@ class GoodputPolicy(ReadsEstimator):
         probe's), beats a plain width-1 step. `switching`: asked from the undrafted program,
         where drafting first costs a host switch of programs; that one step must pay for it
         (the table's `switch_ms`), so marginal gains do not flip programs back and forth."""
-        num_running = jnp.sum(active_B.astype(jnp.int32))
-        gain_BxNW = expected_committed(accept_BxKm1, buckets, log_gamma)
-        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
-        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
-        if switching:
-            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms
-        drafted_rate = jnp.max(total_NW / drafted_ms_NW)
-        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
+        drafted_rate, plain_rate = self._rates(
+            accept_BxKm1, active_B, buckets, log_gamma, switching
+        )
         return drafted_rate > plain_rate
 
 

@@ -68,7 +68,7 @@ class SpecState:
     width_BxC: jax.Array  # int32 batch verify width (bucket) per step
     request_BxC: jax.Array  # int32 the row's requested width per step (0: undrafted step)
     accept_est_BxKm1: jax.Array  # float32 acceptance estimate of the row's latest draft
-    accept_prior_Km1: jax.Array  # float32 a fresh request's estimate: EMA of drafted rows'
+    accept_prior_Km1: jax.Array  # float32 EMA of rows' estimates (negative: no forward yet)
     # float32 log of the estimates' calibration exponent γ: per row, and over all rows (a
     # fresh request's start); see calibration.py
     accept_log_gamma_B: jax.Array
@@ -176,7 +176,8 @@ def init_state(
         width_BxC=blank_BxC(),
         request_BxC=blank_BxC(),
         accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
-        accept_prior_Km1=jnp.ones((_block_size(drafter) - 1,), jnp.float32),
+        # negative: no drafter forward yet (see fresh_request_estimate)
+        accept_prior_Km1=jnp.full((_block_size(drafter) - 1,), -1.0, jnp.float32),
         accept_log_gamma_B=jnp.zeros((slots,), jnp.float32),
         accept_log_gamma=jnp.zeros((), jnp.float32),
         probe_drafts_BxKm1=jnp.zeros((slots, _block_size(drafter) - 1), jnp.int32),
@@ -217,15 +218,20 @@ def _drafter_forward(target, drafter, s: SpecState, spec: EngineSpec) -> PolicyI
 
 def _fresh_estimates(s: SpecState, active_B, fresh_BxKm1):
     """The rows' estimates after a drafter forward, and the prior for requests not drafted for
-    yet: an EMA of the drafted rows' mean (starting them at 1 would force a draft on
-    admission even where drafting never pays)."""
+    yet: an EMA of the drafted rows' mean, set to that mean by the first forward (starting
+    them at 1 would force a draft on admission even where drafting never pays)."""
     est_BxKm1 = jnp.where(active_B[:, None], fresh_BxKm1, s.accept_est_BxKm1)
     n = jnp.sum(active_B)
     mean_Km1 = jnp.sum(jnp.where(active_B[:, None], fresh_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
-    prior_Km1 = jnp.where(
-        n > 0, (1.0 - PRIOR_RATE) * s.accept_prior_Km1 + PRIOR_RATE * mean_Km1, s.accept_prior_Km1
-    )
-    return est_BxKm1, prior_Km1
+    ema_Km1 = (1.0 - PRIOR_RATE) * s.accept_prior_Km1 + PRIOR_RATE * mean_Km1
+    ema_Km1 = jnp.where(s.accept_prior_Km1 < 0, mean_Km1, ema_Km1)  # the first forward
+    return est_BxKm1, jnp.where(n > 0, ema_Km1, s.accept_prior_Km1)
+
+
+def fresh_request_estimate(s: SpecState) -> jax.Array:
+    """A request's acceptance estimate before its first drafter forward [K−1]: the prior,
+    1 (drafting pays) before any forward."""
+    return jnp.where(s.accept_prior_Km1 < 0, 1.0, s.accept_prior_Km1)
 
 
 def _draft(drafter, target, s: SpecState, spec: EngineSpec, key):
@@ -397,7 +403,7 @@ def spec_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     advance_B = jnp.where(active_B, n_commit_B, 0)
     s = _commit(s, committed_BxK, n_commit_B, active_B)
     s = _record(s, active_B, accepted_B, buckets_NW[bucket_idx], width_B)
-    return s.replace(
+    s = s.replace(
         target_cache=tcache.with_lengths(s.target_cache.lengths + advance_B),
         context_cache=drafter.write_context(s.context_cache, ctx_k, ctx_v, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
@@ -537,7 +543,7 @@ def prefill(target, drafter, s: SpecState, slots_R, prompt_RxP, prompt_len_R, ma
         request_BxC=_scatter_rows(s.request_BxC, blank_RxC, slots_R),
         accept_est_BxKm1=_scatter_rows(
             s.accept_est_BxKm1,
-            jnp.broadcast_to(s.accept_prior_Km1, (r, s.accept_prior_Km1.shape[0])),
+            jnp.broadcast_to(fresh_request_estimate(s), (r, s.accept_prior_Km1.shape[0])),
             slots_R,
         ),
         rng=rng,
@@ -588,7 +594,13 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         return s, steps, finished, wants_draft(drafter, s, spec)
 
     def probe_due(s):
-        interval = spec.policy.probe_interval(jnp.sum(~s.done_B), spec.buckets)
+        interval = spec.policy.probe_interval(
+            jnp.sum(~s.done_B),
+            spec.buckets,
+            accept_BxKm1=s.accept_est_BxKm1,
+            active_B=~s.done_B,
+            log_gamma=s.accept_log_gamma_B,
+        )
         return s.undrafted >= interval
 
     def refreshed(s):

@@ -68,7 +68,7 @@ class ForcedStep(ReadsEstimator):
     ):
         return jnp.asarray(self.draft)
 
-    def probe_interval(self, num_running, buckets):
+    def probe_interval(self, num_running, buckets, **_):
         every = jnp.iinfo(jnp.int32).max if self.probe_every is None else self.probe_every
         return jnp.asarray(every, jnp.int32)
 
