@@ -264,21 +264,34 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
 
 
 def test_entering_drafting_must_pay_for_the_switch():
-    """From the undrafted program, a drafted step is charged the table's switch overhead: a
-    gain that beats a plain step only without it keeps the engine where it is."""
+    """From the undrafted program, a drafted step is charged the table's switch overhead
+    spread over `switch_horizon` steps: a gain that beats a plain step only without it keeps
+    the engine where it is."""
     table = dataclasses.replace(TABLE, switch_ms=2.0)
-    policy = GoodputPolicy(cost=table)
+    whole = GoodputPolicy(cost=table, switch_horizon=1)  # one step pays the whole switch
+    shared = GoodputPolicy(cost=table)  # 4 steps: 0.5 ms each
     # 1 row: plain 1.0 ms (1 token/ms); width 4 drafted 1.1 + 0.3 ms, 3.4 with the switch
-    # a = 0.5: width 4 commits 1.875 → 1.34 tokens/ms, 0.55 with the switch
+    # a = 0.5: width 4 commits 1.875 → 1.34 tokens/ms, 0.55 with the switch, 0.99 shared
+    # a = 0.6: width 4 commits 2.18 → 0.64 with the switch, 1.15 shared
     # a = 0.9: width 8 commits 5.17 in 1.6 ms, 3.6 with the switch → 1.44 tokens/ms
     active = jnp.ones((1,), bool)
-    for a, stay, enter in ((0.2, False, False), (0.5, True, False), (0.9, True, True)):
+    for a, stay, enter, enter_shared in (
+        (0.2, False, False, False),
+        (0.5, True, False, False),
+        (0.6, True, False, True),
+        (0.9, True, True, True),
+    ):
         accept = jnp.full((1, K - 1), a)
-        assert bool(policy.speculate(accept, active, 0, buckets=BUCKETS)) == stay, a
-        assert bool(policy.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
+        assert bool(whole.speculate(accept, active, 0, buckets=BUCKETS)) == stay, a
+        assert bool(whole.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
             enter
         ), a
-        assert bool(policy.drafting_gain(accept, active, buckets=BUCKETS) > 1.0) == enter, a
+        assert bool(whole.drafting_gain(accept, active, buckets=BUCKETS) > 1.0) == enter, a
+        assert bool(shared.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
+            enter_shared
+        ), a
+    with pytest.raises(PolicyError, match="switch_horizon"):
+        GoodputPolicy(cost=table, switch_horizon=0.5)
     assert VerifyCostTable.from_json({**TABLE.to_json(), "switch_ms": 2.0}) == table
     old = TABLE.to_json()
     del old["switch_ms"]  # tables written before the field existed
