@@ -37,7 +37,7 @@ import jax.numpy as jnp
 ROW_RATE = 0.3  # how far one outcome moves its row's expected count towards it
 ENGINE_RATE = 0.1  # the same for the engine-wide γ (a fresh request's start)
 MAX_LOG_GAMMA = math.log(32.0)  # γ within [1/32, 32]
-FIT_ITERS = 24
+FIT_ITERS = 12  # bisection steps: log γ to ±2·MAX_LOG_GAMMA / 2^12 ≈ 0.002
 
 
 def calibrated(accept_BxKm1: jax.Array, log_gamma) -> jax.Array:
@@ -67,7 +67,9 @@ def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
 
     lo = jnp.full_like(target_B, -MAX_LOG_GAMMA)
     hi = jnp.full_like(target_B, MAX_LOG_GAMMA)
-    lo, hi = jax.lax.fori_loop(0, FIT_ITERS, body, (lo, hi))
+    # unrolled: a rolled loop of tiny steps costs a loop iteration's overhead per step on
+    # the CPU, where this runs inside every probe and drafted step
+    lo, hi = jax.lax.fori_loop(0, FIT_ITERS, body, (lo, hi), unroll=True)
     return 0.5 * (lo + hi)
 
 
@@ -81,14 +83,18 @@ def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
     log_gamma)."""
     realised_B = realised_B.astype(jnp.float32)
 
-    def refit(lg, rate):
-        now_B = accepted_at(calibrated(est_BxKm1, lg), width_B)
-        return fit_log_gamma(est_BxKm1, width_B, now_B + rate * (realised_B - now_B))
-
-    rows_B = jnp.where(graded_B, refit(log_gamma_B, ROW_RATE), log_gamma_B)
+    b = log_gamma_B.shape[0]
+    # the rows' refits and the engine's in one bisection over 2B rows
+    lg_2B = jnp.concatenate([log_gamma_B, jnp.broadcast_to(log_gamma, (b,))])
+    rate_2B = jnp.repeat(jnp.asarray([ROW_RATE, ENGINE_RATE], jnp.float32), b)
+    est_2BxKm1 = jnp.concatenate([est_BxKm1, est_BxKm1])
+    width_2B = jnp.concatenate([width_B, width_B])
+    now_2B = accepted_at(calibrated(est_2BxKm1, lg_2B), width_2B)
+    target_2B = now_2B + rate_2B * (jnp.concatenate([realised_B, realised_B]) - now_2B)
+    fit_2B = fit_log_gamma(est_2BxKm1, width_2B, target_2B)
+    rows_B = jnp.where(graded_B, fit_2B[:b], log_gamma_B)
     n = jnp.sum(graded_B)
-    engine_B = refit(jnp.broadcast_to(log_gamma, log_gamma_B.shape), ENGINE_RATE)
-    mean = jnp.sum(jnp.where(graded_B, engine_B, 0.0)) / jnp.maximum(n, 1)
+    mean = jnp.sum(jnp.where(graded_B, fit_2B[b:], 0.0)) / jnp.maximum(n, 1)
     return rows_B, jnp.where(n > 0, mean, log_gamma)
 
 
