@@ -353,7 +353,9 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
     # as if a drafter forward had just said drafting does not pay
     state = state.replace(
-        accept_est_BxKm1=jnp.zeros_like(state.accept_est_BxKm1), undrafted=jnp.int32(0)
+        accept_est_BxKm1=jnp.zeros_like(state.accept_est_BxKm1),
+        undrafted=jnp.int32(0),
+        probe_every=jnp.int32(3),
     )
     engine._drafting = False
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)

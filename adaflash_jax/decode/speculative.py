@@ -78,6 +78,7 @@ class SpecState:
     probe_live_B: jax.Array  # bool: that probe is of the row's current request, not graded yet
     undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
     probes: jax.Array  # int32 scalar: estimate-only drafter forwards (`probe`) so far
+    probe_every: jax.Array  # int32 scalar: `undrafted` count at which the next probe is due
     # undrafted steps' target features not yet in the drafter context (None unless skip_draft)
     pending_BxUxnD: jax.Array | None
     pending_B: jax.Array  # int32 positions held per row
@@ -185,6 +186,7 @@ def init_state(
         probe_live_B=jnp.zeros((slots,), bool),
         undrafted=jnp.asarray(NEVER_REFRESHED, jnp.int32),  # the first undrafted loop probes
         probes=jnp.zeros((), jnp.int32),
+        probe_every=jnp.zeros((), jnp.int32),
         pending_BxUxnD=pending_BxUxnD,
         pending_B=jnp.zeros((slots,), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
@@ -593,15 +595,17 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         s, steps, finished = jax.lax.while_loop(cond, body, carry)
         return s, steps, finished, wants_draft(drafter, s, spec)
 
-    def probe_due(s):
-        interval = spec.policy.probe_interval(
+    def interval(s):
+        return spec.policy.probe_interval(
             jnp.sum(~s.done_B),
             spec.buckets,
             accept_BxKm1=s.accept_est_BxKm1,
             active_B=~s.done_B,
             log_gamma=s.accept_log_gamma_B,
         )
-        return s.undrafted >= interval
+
+    def probe_due(s):
+        return s.undrafted >= s.probe_every
 
     def refreshed(s):
         # only the small outputs leave the conditional: no cache flows through it
@@ -623,7 +627,9 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         changed = jax.lax.cond(
             probe_due(s), lambda: small(probe(target, drafter, s, spec)), lambda: small(s)
         )
-        return s.replace(**changed)
+        s = s.replace(**changed)
+        # the interval is decided here, between runs of steps, not in every step's check
+        return s.replace(probe_every=interval(s))
 
     def prepared(s):
         # a current context, and fresh estimates when a probe is due
