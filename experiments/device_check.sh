@@ -59,7 +59,7 @@ else
     stage1.steps=200 head_init.steps=30 stage2.steps_per_round=30 stage2.prompts_per_round=64
     checkpoint.every=100000)
   # goodput's costs from the bench's bare-forward calibration: measuring each engine's own
-  # step (the CPU default) compiles |buckets| + 1 more loop programs per concurrency; one
+  # step (the CPU default) compiles |buckets| + 2 more loop programs per concurrency; one
   # timed round per cell (the CPU default of two fights this CPU's drift, not the GPU's)
   BENCH_ARGS=(--concurrency 128,64,32,1 --prompts-per-domain 16 --max-new-tokens 64
     --max-prompt-len 64 --goodput-costs forward --repeats 1)

@@ -355,7 +355,7 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     state = state.replace(
         accept_est_BxKm1=jnp.zeros_like(state.accept_est_BxKm1),
         undrafted=jnp.int32(0),
-        probe_every=jnp.int32(3),
+        probe_due_at=jnp.int32(3),
     )
     engine._drafting = False
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)
@@ -411,6 +411,14 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
             np.testing.assert_allclose(got[row, :n], want[0, :n], atol=2e-5, rtol=1e-4)
 
 
+def _unsure_engine(target, next_V, policy, **kw):
+    """One slot, a table drafter whose every draft has top probability ~0.06."""
+    drafter = TableDrafter(_drafter_cfg(4), next_V, sharpness=2.0)
+    return SpeculativeEngine(
+        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, **kw
+    )
+
+
 def test_calibration_drafts_where_an_unsure_drafter_is_right(target, bigram, reference):
     """Two drafters equally unsure of every draft (top probability 0.06): the bigram one is
     often right, the other never. Uncalibrated, neither estimate pays for a draft; graded
@@ -424,15 +432,7 @@ def test_calibration_drafts_where_an_unsure_drafter_is_right(target, bigram, ref
     )
     runs = {}
     for name, table in (("right", bigram), ("wrong", np.full((V,), never))):
-        drafter = TableDrafter(_drafter_cfg(4), table, sharpness=2.0)
-        engine = SpeculativeEngine(
-            target,
-            drafter,
-            slots=1,
-            capacity=CAPACITY,
-            buckets=(1, 2, 4),
-            policy=GoodputPolicy(cost=cost, probe_every=3),
-        )
+        engine = _unsure_engine(target, table, GoodputPolicy(cost=cost, probe_every=3))
         results = engine.generate(_requests())
         assert [r.output_ids for r in results] == reference["plain"], name
         runs[name] = [q for r in results for q in r.requested_widths]
@@ -444,19 +444,11 @@ def test_drafted_steps_calibrate_their_rows(target, bigram):
     """Verified steps feed the calibration too: an unsure drafter (confidence 0.06) that is
     often right drives its row's log γ, and the engine's, below 0 (drafts are free in this
     table, so every step drafts whatever the estimates)."""
-    drafter = TableDrafter(_drafter_cfg(4), bigram, sharpness=2.0)
     free_drafts = VerifyCostTable(
         rows=(1,), widths=(1, 2, 4), verify_ms=((1.0,) * 3,), draft_ms=(0,)
     )
-    engine = SpeculativeEngine(
-        target,
-        drafter,
-        slots=1,
-        capacity=CAPACITY,
-        buckets=(1, 2, 4),
-        policy=GoodputPolicy(cost=free_drafts, probe_every=1000),
-        eos_ids=(),
-    )
+    policy = GoodputPolicy(cost=free_drafts, probe_every=1000)
+    engine = _unsure_engine(target, bigram, policy, eos_ids=())
     state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
     engine._drafting = True
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=6)

@@ -47,11 +47,17 @@ def calibrated(accept_BxKm1: jax.Array, log_gamma) -> jax.Array:
     return jnp.power(jnp.clip(accept_BxKm1.astype(jnp.float32), 0.0, 1.0), gamma)
 
 
-def accepted_at(accept_BxKm1: jax.Array, width_B: jax.Array) -> jax.Array:
-    """E[accepted drafts] = Σ_{i=1}^{W−1} Π_{j<=i} a_j at each row's width W → [B]."""
+def accepted_by_width(accept_BxKm1: jax.Array) -> jax.Array:
+    """E[accepted drafts | width W] = Σ_{i=1}^{W−1} Π_{j<=i} a_j for W = 1..K → [B, K]."""
     survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
-    j_Km1 = jnp.arange(1, accept_BxKm1.shape[-1] + 1)
-    return jnp.sum(jnp.where(j_Km1[None, :] < width_B[:, None], survive_BxKm1, 0.0), axis=-1)
+    zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
+    return jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
+
+
+def accepted_at(accept_BxKm1: jax.Array, width_B: jax.Array) -> jax.Array:
+    """E[accepted drafts] at each row's own width W → [B]."""
+    by_width_BxK = accepted_by_width(accept_BxKm1)
+    return jnp.take_along_axis(by_width_BxK, (width_B - 1)[:, None], axis=1)[:, 0]
 
 
 def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:

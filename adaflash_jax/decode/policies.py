@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from adaflash_jax.decode.calibration import accepted_at, calibrated
+from adaflash_jax.decode.calibration import accepted_at, accepted_by_width, calibrated
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.length_head import verify_length
 
@@ -112,10 +112,7 @@ def expected_accepted(accept_BxKm1: jax.Array, widths_W) -> jax.Array:
     (a tuple → [B, NW]; an int array [B] → [B], one width per row)."""
     if not isinstance(widths_W, tuple):
         return accepted_at(accept_BxKm1, widths_W)
-    survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
-    zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
-    partial_BxK = jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
-    return partial_BxK[:, jnp.asarray(widths_W) - 1]
+    return accepted_by_width(accept_BxKm1)[:, jnp.asarray(widths_W) - 1]
 
 
 def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gamma=0.0):

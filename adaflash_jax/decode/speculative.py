@@ -78,7 +78,7 @@ class SpecState:
     probe_live_B: jax.Array  # bool: that probe is of the row's current request, not graded yet
     undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
     probes: jax.Array  # int32 scalar: estimate-only drafter forwards (`probe`) so far
-    probe_every: jax.Array  # int32 scalar: `undrafted` count at which the next probe is due
+    probe_due_at: jax.Array  # int32 scalar: `undrafted` count at which the next probe is due
     # undrafted steps' target features not yet in the drafter context (None unless skip_draft)
     pending_BxUxnD: jax.Array | None
     pending_B: jax.Array  # int32 positions held per row
@@ -144,7 +144,6 @@ def _block_size(drafter) -> int:
     return 1 if drafter is None else drafter.config.block_size
 
 
-NEVER_REFRESHED = 2**30  # `undrafted` before any drafter forward: a probe is due at once
 PENDING_STEPS = 32  # U: undrafted steps whose features wait for one batched context pass
 
 
@@ -184,9 +183,9 @@ def init_state(
         probe_drafts_BxKm1=jnp.zeros((slots, _block_size(drafter) - 1), jnp.int32),
         probe_at_B=jnp.zeros((slots,), jnp.int32),
         probe_live_B=jnp.zeros((slots,), bool),
-        undrafted=jnp.asarray(NEVER_REFRESHED, jnp.int32),  # the first undrafted loop probes
+        undrafted=jnp.zeros((), jnp.int32),
         probes=jnp.zeros((), jnp.int32),
-        probe_every=jnp.zeros((), jnp.int32),
+        probe_due_at=jnp.zeros((), jnp.int32),  # 0: the first undrafted loop probes at once
         pending_BxUxnD=pending_BxUxnD,
         pending_B=jnp.zeros((slots,), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
@@ -605,7 +604,7 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         )
 
     def probe_due(s):
-        return s.undrafted >= s.probe_every
+        return s.undrafted >= s.probe_due_at
 
     def refreshed(s):
         # only the small outputs leave the conditional: no cache flows through it
@@ -629,7 +628,7 @@ def _loop(tdef, tstate, ddef, dstate, s, stop_on_finish, max_steps, *, spec):
         )
         s = s.replace(**changed)
         # the interval is decided here, between runs of steps, not in every step's check
-        return s.replace(probe_every=interval(s))
+        return s.replace(probe_due_at=interval(s))
 
     def prepared(s):
         # a current context, and fresh estimates when a probe is due

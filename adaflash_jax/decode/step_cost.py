@@ -45,7 +45,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/13"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/14"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
