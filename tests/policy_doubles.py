@@ -10,8 +10,9 @@ from adaflash_jax.decode.policies import GoodputPolicy
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftEveryNth(GoodputPolicy):
-    """Goodput's widths and estimates, but a drafted step after every `n` undrafted ones and
-    no probes."""
+    """Goodput's widths and estimates, but drafting once `n` undrafted steps ran, and no
+    probes. The undrafted program asks only between runs of steps (a flush, a probe or a
+    finished row), so an engine with `pending_steps=n` drafts after every `n`."""
 
     n: int = 2
 

@@ -18,6 +18,7 @@ from flax import nnx
 from policy_doubles import DraftEveryNth
 
 from adaflash_jax.decode import acceptance
+from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.policies import AdaFlashPolicy, GoodputPolicy
 from adaflash_jax.decode.slots import SpeculativeEngine
@@ -132,7 +133,11 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
     ids=["adaflash", "goodput", "goodput-skip-probing", "mixed-drafted-and-plain"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
-    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy)
+    # DraftEveryNth is asked between runs of undrafted steps: a 2-step buffer ends each
+    pending = 2 if isinstance(policy, DraftEveryNth) else sp.PENDING_STEPS
+    outputs, results = _speculative(
+        models, buckets=(1, 2, 4), policy=policy, pending_steps=pending
+    )
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
     undrafted = np.mean([w == 0 for w in requested])

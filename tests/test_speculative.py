@@ -319,7 +319,13 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         else GoodputPolicy(cost=cost, probe_every=probe_every)
     )
     engine = SpeculativeEngine(
-        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy
+        target,
+        drafter,
+        slots=2,
+        capacity=CAPACITY,
+        buckets=(1, 2, 4),
+        policy=policy,
+        pending_steps=2 if expect == "mixed" else sp.PENDING_STEPS,
     )
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
@@ -365,13 +371,14 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     np.testing.assert_allclose(state.accept_est_BxKm1[0], 1.0, atol=1e-3)
 
 
-@pytest.mark.parametrize("draft_every,pending_steps", [(2, 32), (7, 3)])
+@pytest.mark.parametrize("draft_every,pending_steps", [(2, 2), (7, 3)])
 def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     target, drafter, draft_every, pending_steps
 ):
     """After a run mixing drafted and undrafted steps, the drafter context plus the pending
     features hold exactly the target features of every committed token, as if appended from
-    scratch. (7, 3): undrafted runs longer than the pending buffer, which flushes as it fills."""
+    scratch. The double is asked between runs of undrafted steps, which end as the buffer
+    fills: (2, 2) switches after every flush; (7, 3) flushes twice before it does."""
     policy = DraftEveryNth(cost=_skip_table(100.0), n=draft_every)
     engine = SpeculativeEngine(
         target,

@@ -287,7 +287,10 @@ class GoodputPolicy(ReadsEstimator):
     ):
         """Whether this step drafts (bool scalar): the best expected committed tokens per ms
         of draft + verify, from the rows' latest estimates (the last drafted step's or
-        probe's), beats a plain width-1 step. `switching`: asked from the undrafted program,
+        probe's), beats a plain width-1 step. `undrafted`: undrafted steps since the estimates
+        were refreshed (unused here; the undrafted program asks only between runs of steps,
+        so a policy reading it sees the count at a probe, flush or finished row).
+        `switching`: asked from the undrafted program,
         where drafting first costs a host switch of programs (the table's `switch_ms`); the
         step is charged its share over `switch_horizon` drafted steps, so marginal gains do
         not flip programs back and forth. (Charging one step the whole switch kept goodput
