@@ -239,12 +239,16 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
 def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     """draft = step(drafted, W=1) − step(undrafted); verify[W] = step(drafted, W) − draft:
     goodput's draft + verify is the drafted step, its plain arm the undrafted step; a device
-    call of one undrafted step costs the step plus the switch overhead."""
+    call of one undrafted step costs the step plus the switch overhead. A step's cost is the
+    difference of an n-step and a 1-step call, so the call's own overhead never lands in it."""
     measured = {(False, 1): 3.0, (True, 1): 5.0, (True, 2): 5.5, (True, 4): 7.0}
+    calls = []
 
     def fake_case_ms(engine, policy, *, steps, **_):
+        calls.append(steps)
         probing = 1.25 if policy.probe_every == 1 else 0.0  # a probe after every step
-        return measured[(policy.draft, policy.width)] + (4.5 if steps == 1 else 0.0) + probing
+        entry = 2.0 * probing + 0.5 * policy.draft  # a call's entry: one-off costs
+        return 4.5 + entry + steps * (measured[(policy.draft, policy.width)] + probing)
 
     monkeypatch.setattr(step_cost, "_case_ms", fake_case_ms)
 
@@ -259,8 +263,9 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
     np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
     np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
     np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))
-    assert table.switch_ms == 4.5
-    assert table.probe_ms == 1.25 and float(table.probe_step_ms(4)) == 1.25
+    np.testing.assert_allclose(table.switch_ms, 4.5)
+    np.testing.assert_allclose((table.probe_ms, float(table.probe_step_ms(4))), (1.25, 1.25))
+    assert set(calls) == {1, 7}  # (capacity 64 − 2) // (2·K) steps fit the cache
 
 
 def test_entering_drafting_must_pay_for_the_switch():

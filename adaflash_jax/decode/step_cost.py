@@ -19,6 +19,12 @@ count (B: the step's cost does not depend on how many slots are active):
     switch_ms  = call(undrafted, 1 step) − step(undrafted)   (a device call's own overhead)
     probe_ms   = step(undrafted, a probe after each) − step(undrafted)
 
+where step(case) = (call(case, n steps) − call(case, 1 step)) / (n − 1): a device call's own
+overhead (dispatch, the loop's entry, the host fetch) cancels. Dividing one call by its n
+steps instead charged that overhead to every step: at one slot on the CPU, where a call of
+the 144-token cache fits 8 drafted steps, it put the plain step at 1.3 ms against 0.55–0.8 ms
+in a running loop, which made drafting look cheaper relative to plain steps than it is.
+
 and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
 measured undrafted step; its probe interval follows the probe's real cost (on the CPU at one
 slot a probe cost ~2–4 ms in the loop against a 1.3 ms draft forward in the table). Each case
@@ -45,7 +51,7 @@ from adaflash_jax.decode.verify_cost import (
     model_key,
 )
 
-KIND = "engine-step/14"  # bump when the step program changes: cached tables go stale
+KIND = "engine-step/15"  # bump when the step program changes: cached tables go stale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,9 +86,9 @@ class ForcedStep(ReadsEstimator):
         return self.decide(inp, block_size=block_size, buckets=buckets)[0]
 
 
-def _loop_ms(engine, spec, *, steps: int, seed: int) -> float:
-    """ms per step of `steps` loop iterations over all slots, from a fresh prefill of random
-    prompts (untimed) so every row stays active and inside the cache."""
+def _call_ms(engine, spec, *, steps: int, seed: int) -> float:
+    """ms of one device call running `steps` loop iterations over all slots, from a fresh
+    prefill of random prompts (untimed) so every row stays active and inside the cache."""
     b, cap, k = engine.slots, engine.capacity, engine.block_size
     prompt_len = max(1, min(cap // 4, cap - k * (steps + 1)))
     models = engine._models()
@@ -117,7 +123,7 @@ def _loop_ms(engine, spec, *, steps: int, seed: int) -> float:
     elapsed = time.perf_counter() - t0
     if ran != steps:
         raise RuntimeError(f"calibration loop ran {ran} of {steps} steps")
-    return 1e3 * elapsed / steps
+    return 1e3 * elapsed
 
 
 def _case_ms(engine, policy: ForcedStep, **kw) -> float:
@@ -128,7 +134,7 @@ def _case_ms(engine, policy: ForcedStep, **kw) -> float:
         use_accept_head=policy.needs_accept_head,
         undrafted_mode=not policy.draft,
     )
-    return _loop_ms(engine, spec, **kw)
+    return _call_ms(engine, spec, **kw)
 
 
 def calibrate_engine(
@@ -140,20 +146,23 @@ def calibrate_engine(
     slows all cases alike), after one compiling round; a case's cost is its fastest round
     (interference only ever adds time)."""
     k = engine.block_size
-    steps = max(1, min(steps, (engine.capacity - 2) // (2 * k)))
+    steps = max(2, min(steps, (engine.capacity - 2) // (2 * k)))
     undrafted = ForcedStep(width=1, draft=False, estimator=estimator)
-    cases = [(undrafted, steps)]
-    cases += [(ForcedStep(width=w, draft=True, estimator=estimator), steps) for w in engine.buckets]
-    cases += [(undrafted, 1)]  # a whole device call for one step: the switch overhead
+    kinds = [undrafted]
+    kinds += [ForcedStep(width=w, draft=True, estimator=estimator) for w in engine.buckets]
     # a probe after every undrafted step (its own program: the interval is static)
-    cases += [(dataclasses.replace(undrafted, probe_every=1), steps)]
+    kinds += [dataclasses.replace(undrafted, probe_every=1)]
+    cases = [(kind, n) for kind in kinds for n in (steps, 1)]
     times = [[] for _ in cases]
     for r in range(rounds + 1):
         for i, (case, n) in enumerate(cases):
             ms = _case_ms(engine, case, steps=n, seed=seed + r)
             if r:  # round 0 compiles
                 times[i].append(ms)
-    plain, *drafted, one_call, probing = (min(t) for t in times)
+    fastest = iter([min(t) for t in times])
+    calls = [(next(fastest), next(fastest)) for _ in kinds]  # (n steps, 1 step) per kind
+    per_step = [max((many - one) / (steps - 1), 1e-3) for many, one in calls]
+    plain, *drafted, probing = per_step
     at_1 = drafted[0] if engine.buckets[0] == 1 else plain
     draft = max(at_1 - plain, 0.0)
     verify = tuple(max(d - draft, 1e-3) for d in drafted)
@@ -162,7 +171,7 @@ def calibrate_engine(
         widths=engine.buckets,
         verify_ms=(verify,),
         draft_ms=(draft,),
-        switch_ms=max(one_call - plain, 0.0),
+        switch_ms=max(calls[0][1] - plain, 0.0),
         probe_ms=max(probing - plain, 0.0),
         device=device_kind(),
         model=f"{KIND} slots {engine.slots} capacity {engine.capacity} estimator {estimator} "
