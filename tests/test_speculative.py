@@ -371,6 +371,39 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     np.testing.assert_allclose(state.accept_est_BxKm1[0], 1.0, atol=1e-3)
 
 
+@pytest.mark.parametrize("draft_ms,drafts", [(100.0, False), (0.01, True)])
+def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, draft_ms, drafts):
+    """A second `generate` starts from the prior and γ the first learnt: it needs no opening
+    probe, and drafts (or not) from its first step; `reset_adaptation` brings the probe back.
+    The outputs stay plain greedy's throughout."""
+    drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
+    policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=1000)
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy
+    )
+    assert engine.adaptation is None
+    assert sp.Adaptation.of(engine.init_state(0)) is None  # no drafter forward: nothing learnt
+    for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):
+        if call == "reset":
+            engine.reset_adaptation()
+        results = engine.generate(_requests())
+        assert [r.output_ids for r in results] == reference["plain"], call
+        assert engine.last_run["probes"] == expect_probes, call
+        requested = [q for r in results for q in r.requested_widths]
+        assert all((q > 0) == drafts for q in requested), (call, requested)
+        learnt = engine.adaptation
+        assert learnt is not None and len(learnt.accept_prior_Km1) == 3
+        np.testing.assert_allclose(learnt.accept_prior_Km1, 1.0, atol=1e-3)
+    state = engine.init_state(0)
+    np.testing.assert_allclose(state.accept_prior_Km1, learnt.accept_prior_Km1)
+    assert float(state.accept_log_gamma) == pytest.approx(learnt.accept_log_gamma)
+    with pytest.raises(ValueError, match="positions"):
+        sp.init_state(
+            target, drafter, slots=1, capacity=CAPACITY, eos_ids=(), temperature=0.0,
+            top_p=1.0, seed=0, adaptation=sp.Adaptation((1.0,), 0.0),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("draft_every,pending_steps", [(2, 2), (7, 3)])
 def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     target, drafter, draft_every, pending_steps

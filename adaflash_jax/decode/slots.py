@@ -123,6 +123,8 @@ class SpeculativeEngine:
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(drafter) if drafter is not None else (None, None)
         self.last_run: dict = {}  # loop steps / device calls / probes of the latest `generate`
+        # acceptance learnt by earlier `generate` calls (skip_draft policies; see init_state)
+        self.adaptation: sp.Adaptation | None = None
         goodput_kwargs = None  # set when goodput's table is measured on this engine below
         if drafter is None:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
@@ -195,6 +197,8 @@ class SpeculativeEngine:
 
     # ---- device calls ---------------------------------------------------------------------
     def init_state(self, seed: int) -> sp.SpecState:
+        """A fresh state; a skip_draft engine starts it from what earlier `generate` calls
+        learnt (`adaptation`)."""
         return sp.init_state(
             self.target,
             self.drafter,
@@ -205,7 +209,12 @@ class SpeculativeEngine:
             top_p=self.top_p,
             seed=seed,
             pending=self.pending_steps if self.spec.skip_draft else 0,
+            adaptation=self.adaptation if self.spec.skip_draft else None,
         )
+
+    def reset_adaptation(self) -> None:
+        """Forgets what earlier `generate` calls learnt: the next starts with a probe."""
+        self.adaptation = None
 
     def _models(self):
         return self._tdef, self._tstate, self._ddef, self._dstate
@@ -262,8 +271,8 @@ class SpeculativeEngine:
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
         state = self.init_state(self.seed if seed is None else seed)
-        # a skip_draft policy starts with a probe (one drafter forward) rather than a drafted
-        # step: the first step of a run then drafts only where the estimates say it pays
+        # a skip_draft policy starts in the undrafted program, which probes first (one drafter
+        # forward) when nothing is learnt yet: a run drafts only where the estimates say so
         self._drafting = not self.spec.skip_draft
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
@@ -285,6 +294,9 @@ class SpeculativeEngine:
                 self._harvest(state, finished, owner, results)
                 free.extend(finished)
                 free.sort()
+        if self.spec.skip_draft:
+            # a serving engine keeps adapting across calls: the next starts from this prior
+            self.adaptation = sp.Adaptation.of(state) or self.adaptation
         self.last_run = {
             "loop_steps": loop_steps,
             "device_loops": calls,

@@ -149,12 +149,44 @@ def _block_size(drafter) -> int:
 PENDING_STEPS = 32  # U: undrafted steps whose features wait for one batched context pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Adaptation:
+    """What a skip_draft engine learnt about acceptance over all its rows (host copies): the
+    fresh-request prior [K−1] and the engine-wide log γ. A new state can start from it."""
+
+    accept_prior_Km1: tuple[float, ...]
+    accept_log_gamma: float
+
+    @classmethod
+    def of(cls, s: SpecState) -> Adaptation | None:
+        prior, log_gamma = jax.device_get((s.accept_prior_Km1, s.accept_log_gamma))
+        if prior.size == 0 or prior[0] < 0:  # no drafter forward yet: nothing learnt
+            return None
+        return cls(tuple(float(x) for x in prior), float(log_gamma))
+
+
 def init_state(
-    target, drafter, *, slots, capacity, eos_ids, temperature, top_p, seed, pending=0
+    target,
+    drafter,
+    *,
+    slots,
+    capacity,
+    eos_ids,
+    temperature,
+    top_p,
+    seed,
+    pending=0,
+    adaptation: Adaptation | None = None,
 ) -> SpecState:
     """All slots free (done). Buffers are `capacity` long: a request never outgrows it.
-    `pending` > 0 (engines whose policy may skip drafting) sizes the deferred-context buffer."""
+    `pending` > 0 (engines whose policy may skip drafting) sizes the deferred-context buffer.
+    `adaptation`: start from an earlier state's prior and γ instead of "nothing learnt"; the
+    first probe then waits for the policy's interval instead of coming at once."""
     eos = tuple(eos_ids) or (-1,)
+    km1 = _block_size(drafter) - 1
+    if adaptation is not None and len(adaptation.accept_prior_Km1) != km1:
+        raise ValueError(f"adaptation has {len(adaptation.accept_prior_Km1)} positions, not {km1}")
+    learnt = adaptation is not None
 
     def blank_BxC():  # one buffer per field: the state is donated, and a buffer may not be
         return jnp.full((slots, capacity), -1, jnp.int32)  # donated twice in one call
@@ -177,17 +209,22 @@ def init_state(
         accepted_BxC=blank_BxC(),
         width_BxC=blank_BxC(),
         request_BxC=blank_BxC(),
-        accept_est_BxKm1=jnp.ones((slots, _block_size(drafter) - 1), jnp.float32),
+        accept_est_BxKm1=jnp.ones((slots, km1), jnp.float32),
         # negative: no drafter forward yet (see fresh_request_estimate)
-        accept_prior_Km1=jnp.full((_block_size(drafter) - 1,), -1.0, jnp.float32),
+        accept_prior_Km1=(
+            jnp.asarray(adaptation.accept_prior_Km1, jnp.float32)
+            if learnt
+            else jnp.full((km1,), -1.0, jnp.float32)
+        ),
         accept_log_gamma_B=jnp.zeros((slots,), jnp.float32),
-        accept_log_gamma=jnp.zeros((), jnp.float32),
-        probe_drafts_BxKm1=jnp.zeros((slots, _block_size(drafter) - 1), jnp.int32),
+        accept_log_gamma=jnp.asarray(adaptation.accept_log_gamma if learnt else 0.0, jnp.float32),
+        probe_drafts_BxKm1=jnp.zeros((slots, km1), jnp.int32),
         probe_at_B=jnp.zeros((slots,), jnp.int32),
         probe_live_B=jnp.zeros((slots,), bool),
         undrafted=jnp.zeros((), jnp.int32),
         probes=jnp.zeros((), jnp.int32),
-        probe_due_at=jnp.zeros((), jnp.int32),  # 0: the first undrafted loop probes at once
+        # 0: the first undrafted loop probes at once; 1: its entry sets the interval instead
+        probe_due_at=jnp.asarray(int(learnt), jnp.int32),
         pending_BxUxnD=pending_BxUxnD,
         pending_B=jnp.zeros((slots,), jnp.int32),
         temperature=jnp.asarray(temperature, jnp.float32),
