@@ -135,9 +135,7 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
     # DraftEveryNth is asked between runs of undrafted steps: a 2-step buffer ends each
     pending = 2 if isinstance(policy, DraftEveryNth) else sp.PENDING_STEPS
-    outputs, results = _speculative(
-        models, buckets=(1, 2, 4), policy=policy, pending_steps=pending
-    )
+    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy, pending_steps=pending)
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
     undrafted = np.mean([w == 0 for w in requested])

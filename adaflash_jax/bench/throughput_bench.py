@@ -9,7 +9,11 @@ batching: a finished row takes the next queued request). Plain decoding runs thr
 engine (`drafter=None`), so prefill, scheduling and host round trips cost the same and
 `ratio_to_plain` compares like with like, measured in the same process minutes apart.
 Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
-timed pass needs; the compiled-program count is checked around every timed pass). Then
+timed pass needs; the compiled-program count is checked around every timed pass). An engine
+that adapts across calls (goodput's skip arm: `SpeculativeEngine.adaptation`) starts every
+timed pass from what its warm-up learnt, after a second warm-up from that same start: each
+timed pass then replays that second warm-up step for step (its decisions, finishing order
+and prefill shapes), so nothing compiles while timed. Then
 `repeats` rounds time one pass of every method of the (concurrency, domain) in turn, and each
 cell reports its fastest: the methods share every stretch of a machine whose speed drifts.
 
@@ -321,16 +325,21 @@ class ThroughputBench:
         rounds puts every method through the same stretch of a machine whose speed drifts,
         so the ratios to plain compare like with like."""
         requests = self.requests(concurrency, domain)
-        warmup = {}
+        warmup, start = {}, {}
         for m in self.methods:
+            engine = self.engine(m, concurrency)
             t0 = time.perf_counter()
-            self.engine(m, concurrency).generate(requests)
+            engine.generate(requests)
             warmup[m] = time.perf_counter() - t0
+            start[m] = engine.adaptation
+            if start[m] is not None:  # what the timed passes will replay, compiled
+                engine.generate(requests)
         best: dict[Method, tuple] = {}
         compiles = dict.fromkeys(self.methods, 0)
         for _ in range(self.settings.repeats):
             for m in self.methods:
                 engine = self.engine(m, concurrency)
+                engine.adaptation = start[m]
                 before = sp.compiled_programs()
                 t0 = time.perf_counter()
                 results = engine.generate(requests)
