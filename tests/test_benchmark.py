@@ -66,6 +66,10 @@ def test_micro_benchmark_end_to_end(tmp_path, capsys):
 
     traces = json.loads((out / "bench_traces.json").read_text())
     assert len(traces["cells"]) == 4 * 2 * 4  # every speculative cell
+    tables = traces["meta"]["goodput_tables"]  # what each goodput engine decided with
+    assert set(tables) == {"adaflash/goodput c=1", "adaflash/goodput c=2"}
+    given = VerifyCostTable.load(str(cost))
+    assert all(VerifyCostTable.from_json(t) == given for t in tables.values())  # as given
     cell = traces["cells"][0]
     steps = [len(t) for t in cell["accepted"]]
     assert [len(t) for t in cell["requested"]] == steps and cell["loop_steps"] > 0

@@ -457,6 +457,13 @@ class ThroughputBench:
                 for n, d in self.drafters.items()
             },
             "wall_s": wall_s,
+            # the verify-cost table each goodput engine decided with (its own step, measured
+            # or loaded from the per-device cache, unless one was given)
+            "goodput_tables": {
+                f"{m.label} c={c}": engine.policy.cost.to_json()
+                for (m, c), engine in self._engines.items()
+                if m.policy == "goodput"
+            },
         }
         return BenchResult(
             rows=rows, traces=list(traces), cost_tables=dict(self.cost_tables), meta=meta
