@@ -404,6 +404,8 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     state = engine.init_state(0)
     np.testing.assert_allclose(state.accept_prior_Km1, learnt.accept_prior_Km1)
     assert float(state.accept_log_gamma) == pytest.approx(learnt.accept_log_gamma)
+    broken = state.replace(accept_log_gamma=jnp.float32(jnp.nan))
+    assert sp.Adaptation.of(broken) is None  # NaN is never carried into the next call
     with pytest.raises(ValueError, match="positions"):
         sp.init_state(
             target, drafter, slots=1, capacity=CAPACITY, eos_ids=(), temperature=0.0,

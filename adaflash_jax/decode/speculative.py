@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from adaflash_jax.decode import acceptance, calibration
@@ -162,6 +163,9 @@ class Adaptation:
         prior, log_gamma = jax.device_get((s.accept_prior_Km1, s.accept_log_gamma))
         if prior.size == 0 or prior[0] < 0:  # no drafter forward yet: nothing learnt
             return None
+        if not (np.all(np.isfinite(prior)) and np.isfinite(log_gamma)):
+            return None  # a non-finite estimate is never carried into the next call
+
         return cls(tuple(float(x) for x in prior), float(log_gamma))
 
 
