@@ -156,6 +156,13 @@ def _requests():
     return list(zip(PROMPTS, MAX_NEW))
 
 
+def _engine(target, drafter, *, slots=2, **kw):
+    """The small engine most tests here run: buckets (1, 2, 4) in the shared cache capacity."""
+    return SpeculativeEngine(
+        target, drafter, slots=slots, capacity=CAPACITY, buckets=(1, 2, 4), **kw
+    )
+
+
 def _cut_inside_a_block(result) -> bool:
     """The last step verified more tokens than the request kept (EOS or max-new cut it)."""
     return sum(a + 1 for a in result.accepted) > len(result.output_ids) - 1
@@ -190,7 +197,7 @@ def test_greedy_lossless_random_drafter(target, drafter, reference, block_size, 
 @pytest.fixture(scope="module")
 def table_engine(target, bigram):
     drafter = TableDrafter(_drafter_cfg(4), bigram)
-    return SpeculativeEngine(target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4))
+    return _engine(target, drafter)
 
 
 def test_oracle_drafter_accepts_and_stays_lossless(table_engine, reference):
@@ -205,9 +212,7 @@ def test_oracle_drafter_accepts_and_stays_lossless(table_engine, reference):
 
 def test_oracle_drafter_eos_inside_block(target, bigram, reference):
     drafter = TableDrafter(_drafter_cfg(4), bigram)
-    engine = SpeculativeEngine(
-        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), eos_ids=(reference["eos"],)
-    )
+    engine = _engine(target, drafter, eos_ids=(reference["eos"],))
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["with_eos"]
     assert results[0].finish_reason == "eos"
@@ -218,7 +223,7 @@ def test_adversarial_drafter_is_lossless(target, reference):
     seen = {t for out in reference["plain"] for t in out}
     never = next(t for t in range(V) if t not in seen)
     drafter = TableDrafter(_drafter_cfg(4), np.full((V,), never))  # always wrong
-    engine = SpeculativeEngine(target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4))
+    engine = _engine(target, drafter)
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
     assert all(r.tau == 1.0 for r in results if r.steps)
@@ -318,15 +323,8 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         if expect == "mixed"
         else GoodputPolicy(cost=cost, probe_every=probe_every)
     )
-    engine = SpeculativeEngine(
-        target,
-        drafter,
-        slots=2,
-        capacity=CAPACITY,
-        buckets=(1, 2, 4),
-        policy=policy,
-        pending_steps=2 if expect == "mixed" else sp.PENDING_STEPS,
-    )
+    pending = 2 if expect == "mixed" else sp.PENDING_STEPS
+    engine = _engine(target, drafter, policy=policy, pending_steps=pending)
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
     _check_stats(results, engine)
@@ -353,9 +351,7 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     drafter forward) finds the drafter confident again; from then on they draft."""
     drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
     policy = GoodputPolicy(cost=_skip_table(0.01), probe_every=3)
-    engine = SpeculativeEngine(
-        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
-    )
+    engine = _engine(target, drafter, slots=1, policy=policy, eos_ids=())
     state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
     # as if a drafter forward had just said drafting does not pay
     state = state.replace(
@@ -378,9 +374,7 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     The outputs stay plain greedy's throughout."""
     drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
     policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=1000)
-    engine = SpeculativeEngine(
-        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy
-    )
+    engine = _engine(target, drafter, policy=policy)
     assert engine.adaptation is None
     assert sp.Adaptation.of(engine.init_state(0)) is None  # no drafter forward: nothing learnt
     for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):
@@ -422,16 +416,7 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     scratch. The double is asked between runs of undrafted steps, which end as the buffer
     fills: (2, 2) switches after every flush; (7, 3) flushes twice before it does."""
     policy = DraftEveryNth(cost=_skip_table(100.0), n=draft_every)
-    engine = SpeculativeEngine(
-        target,
-        drafter,
-        slots=2,
-        capacity=CAPACITY,
-        buckets=(1, 2, 4),
-        policy=policy,
-        eos_ids=(),
-        pending_steps=pending_steps,
-    )
+    engine = _engine(target, drafter, policy=policy, eos_ids=(), pending_steps=pending_steps)
     prompts = [PROMPTS[1], PROMPTS[4]]
     state = engine.init_state(0)
     engine._drafting = True
@@ -463,9 +448,7 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
 def _unsure_engine(target, next_V, policy, **kw):
     """One slot, a table drafter whose every draft has top probability ~0.06."""
     drafter = TableDrafter(_drafter_cfg(4), next_V, sharpness=2.0)
-    return SpeculativeEngine(
-        target, drafter, slots=1, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, **kw
-    )
+    return _engine(target, drafter, slots=1, policy=policy, **kw)
 
 
 def test_calibration_drafts_where_an_unsure_drafter_is_right(target, bigram, reference):
@@ -512,9 +495,7 @@ def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter)
     """Drafter forwards (drafted steps and probes) move the prior (an EMA of the rows'
     estimates) away from 1; a request admitted later starts its estimate there, not at 1."""
     policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
-    engine = SpeculativeEngine(
-        target, drafter, slots=2, capacity=CAPACITY, buckets=(1, 2, 4), policy=policy, eos_ids=()
-    )
+    engine = _engine(target, drafter, policy=policy, eos_ids=())
     state = engine.init_state(0)
     state = engine._prefill(state, [(0, PROMPTS[0], 12)])
     np.testing.assert_array_equal(state.accept_est_BxKm1[0], np.ones(3))  # no forward yet

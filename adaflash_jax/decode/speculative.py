@@ -165,7 +165,6 @@ class Adaptation:
             return None
         if not (np.all(np.isfinite(prior)) and np.isfinite(log_gamma)):
             return None  # a non-finite estimate is never carried into the next call
-
         return cls(tuple(float(x) for x in prior), float(log_gamma))
 
 

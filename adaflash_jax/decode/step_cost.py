@@ -28,8 +28,8 @@ in a running loop, which made drafting look cheaper relative to plain steps than
 and goodput's draft + verify is exactly the measured drafted step, its plain arm exactly the
 measured undrafted step; its probe interval follows the probe's real cost (on the CPU at one
 slot a probe cost ~2–4 ms in the loop against a 1.3 ms draft forward in the table). Each case
-compiles one loop program (|buckets| + 2 in all; the one-step call reuses the undrafted
-program); the result is cached like the forward table.
+compiles one loop program (|buckets| + 2 in all; its one-step call reuses it); the result is
+cached like the forward table.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def calibrate_engine(
             ms = _case_ms(engine, case, steps=n, seed=seed + r)
             if r:  # round 0 compiles
                 times[i].append(ms)
-    fastest = iter([min(t) for t in times])
-    calls = [(next(fastest), next(fastest)) for _ in kinds]  # (n steps, 1 step) per kind
+    fastest = [min(t) for t in times]
+    calls = list(zip(fastest[::2], fastest[1::2]))  # (n steps, 1 step) per kind
     per_step = [max((many - one) / (steps - 1), 1e-3) for many, one in calls]
     plain, *drafted, probing = per_step
     at_1 = drafted[0] if engine.buckets[0] == 1 else plain
