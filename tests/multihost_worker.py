@@ -54,7 +54,12 @@ def micro_config(target_dir: str, prompts: str, run_dir: str):
         stage1=C.Stage1Spec(steps=0),
         head_init=C.HeadInitSpec(steps=0),
         stage2=C.Stage2Spec(
-            rounds=1, steps_per_round=3, prompts_per_round=8, lr=3e-3, methods=("adaflash",)
+            rounds=1,
+            steps_per_round=3,
+            prompts_per_round=8,
+            lr=3e-3,
+            methods=("adaflash",),
+            pool="stage1",  # the micro data below stands in for the pool
         ),
         checkpoint=C.CheckpointSpec(every=100, keep=2),
     )
@@ -105,7 +110,7 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
     from adaflash_jax.distill.context import prepare
     from adaflash_jax.distill.export import export_drafter
     from adaflash_jax.distill.loop import Preempted
-    from adaflash_jax.distill.stages import Trainer
+    from adaflash_jax.distill.stages import Stage2Pool, Trainer
     from adaflash_jax.distill.state import fresh_drafter
     from adaflash_jax.model.checkpoint import load_target
     from adaflash_jax.sharding.rules import TRAIN_RULES
@@ -114,6 +119,7 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
     ctx = prepare(micro_config(target_dir, prompts, run_dir), progress=True)  # bars: process 0
     mesh = ctx.mesh()
     data = micro_data(ctx.target_cfg.vocab_size, ctx.pad_id)
+    pool = Stage2Pool.of(data, [[]] * len(data))  # replay collection reads the sequences only
 
     def trainer(writer, guard):
         # A fresh target each time, as a restarted process would load it: the steps donate
@@ -127,14 +133,14 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
         first = trainer(writer, StopAfter(STOP_AT))
         # The rows this process feeds, from the trainer's own iterator factory (which passes
         # jax.process_index()/process_count()); stage 2 builds its iterators the same way.
-        batch = next(iter(first._iterator(data, ctx.cfg.seed, on_policy=False)))
+        batch = next(iter(first._iterator(data, ctx.cfg.seed)))
         try:
-            first.stage2("adaflash", params, data, None)
+            first.stage2("adaflash", params, pool)
             raise AssertionError("the stop request did not preempt stage 2")
         except Preempted:
             pass
         second = trainer(writer, None)
-        params, taus = second.stage2("adaflash", params, data, None)  # resumes at step 2
+        params, taus = second.stage2("adaflash", params, pool)  # resumes at step 2
         export = export_drafter(d_graph, params, ctx.path("export"))
 
     # The losses as process 0 logged them to TensorBoard (other processes log nothing).

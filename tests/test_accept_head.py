@@ -360,7 +360,13 @@ def _batch():
 @pytest.fixture(scope="module")
 def step_setup():
     target = TargetLM(TARGET, rngs=nnx.Rngs(0))
+    # A sharper LM head (teacher and student share it): the drafter's gradient norm then
+    # exceeds the reference clip of 1.0, so the clip is active in the tests below.
+    target.lm_head.kernel[...] = 5.0 * target.lm_head.kernel[...]
     return nnx.split(target, nnx.Param), make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+CLIP = 1.0  # the reference's clip
 
 
 def _step(step_setup, kind, accept_dim):
@@ -369,9 +375,10 @@ def _step(step_setup, kind, accept_dim):
     d_graph, params = fresh_drafter(cfg, mesh=mesh, rules=TRAIN_RULES, seed=1)
     before = jax.device_get(params)
     opt = OptimizerConfig(lr=1e-2, schedule="constant")
-    groups = {"drafter": None if kind == "head_init" else opt, "head": opt}
-    # no clipping: with a global-norm clip, head gradients would rescale the drafter's update
-    tx, schedules = steps.make_optimizer(groups, clip_norm=1e9)
+    drafter = None if kind == "head_init" else opt
+    tx, schedules = steps.make_optimizer(
+        {"drafter": drafter, "head": opt, "accept": opt}, clip_norm=CLIP
+    )
     state, shardings = new_train_state(params, t_params, tx, mesh=mesh, rules=TRAIN_RULES, seed=0)
     spec = steps.StepSpec(kind=kind, block_size=K, gamma=2.0, feature_layers=(0, 1))
     bsh = steps.batch_shardings(mesh, TRAIN_RULES, B)
@@ -396,11 +403,48 @@ def test_head_init_trains_the_acceptance_output(step_setup):
 
 
 def test_stage2_accept_loss_leaves_the_drafter_update_unchanged(step_setup):
+    """With the reference's clip 1.0 ACTIVE (the drafter's gradient norm exceeds it), the
+    acceptance network (its own clip part) leaves the drafter and r-head update bitwise the
+    same as a drafter without it."""
     m_acc, before, with_accept = _step(step_setup, "stage2", A)
     m_ref, _, without = _step(step_setup, "stage2", 0)
+    assert m_ref["grad_norm"] > CLIP  # the clip really scales the drafter's step
+    np.testing.assert_allclose(m_acc["grad_norm"], m_ref["grad_norm"], rtol=1e-6)
+    assert m_acc["accept_grad_norm"] > 0 and m_ref["accept_grad_norm"] == 0
     assert np.isfinite(m_acc["accept_bce"]) and "accept_bce" not in m_ref
     np.testing.assert_allclose(m_acc["drafter_loss"], m_ref["drafter_loss"], rtol=1e-6)
     for path, value in without.items():  # drafter and r head: bitwise the same update
         np.testing.assert_array_equal(value, with_accept[path], err_msg=jax.tree_util.keystr(path))
     moved = [p for p in with_accept if p not in without]
     assert moved and all(np.any(with_accept[p] != before[p]) for p in moved)
+
+
+def test_one_shared_clip_would_couple_them(step_setup):
+    """The control: under ONE clip over everything (what the split prevents), adding the
+    acceptance network's gradients to the norm changes the drafter's clipped update."""
+    (t_graph, t_params), mesh = step_setup
+    grads = {}
+    for a in (A, 0):
+        cfg = _drafter(accept_dim=a).config
+        d_graph, params = fresh_drafter(cfg, mesh=mesh, rules=TRAIN_RULES, seed=1)
+        state, _ = new_train_state(
+            params, t_params, optax.identity(), mesh=mesh, rules=TRAIN_RULES, seed=0
+        )
+        spec = steps.StepSpec(kind="stage2", block_size=K, gamma=2.0, feature_layers=(0, 1))
+        capture = steps.make_step(spec, d_graph, t_graph, _GradsOut(), None)
+        bsh = steps.batch_shardings(mesh, TRAIN_RULES, B)
+        new, _ = jax.jit(capture)(state, steps.put_batch(_batch(), bsh))
+        grads[a] = new.params  # the raw gradients (see _GradsOut)
+    shared = optax.clip_by_global_norm(CLIP)
+    fc = lambda g: np.asarray(shared.update(g, shared.init(g))[0]["fc"]["kernel"][...])  # noqa: E731
+    assert not np.array_equal(fc(grads[A]), fc(grads[0]))
+
+
+class _GradsOut(optax.GradientTransformation):
+    """A 'transform' whose update is params ← grads (apply_updates adds grads − params)."""
+
+    def __new__(cls):
+        def update(grads, state, params):
+            return jax.tree.map(lambda g, p: g - p, grads, params), state
+
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)

@@ -36,6 +36,38 @@ def test_overrides_and_errors():
         override(cfg, {"stage2.collect_temperature": "1.0"})  # replay is greedy-only
     with pytest.raises(ConfigError, match="mesh"):
         cfg.resolve_mesh(3)
+    for field, value in (
+        ("stage2.anchors", "'sequence'"),  # stage 2 draws over the response or visited starts
+        ("stage2.pool", "'eval'"),
+        ("head_init.anchors", "'visited'"),
+        ("stage2.b2", "1.0"),
+        ("loss_chunk", "-1"),
+    ):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            override(cfg, {field: value})
+
+
+def test_reference_recipe_is_the_reference():
+    """The 8B recipe trains with the reference's anchors, pool, optimizer and no
+    acceptance network (not part of the reference)."""
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
+    s2, h = cfg.stage2, cfg.head_init
+    assert (s2.anchors, s2.pool, s2.b2, s2.decay_all, s2.clip_norm) == (
+        "response",
+        "fresh",
+        0.999,
+        True,
+        1.0,
+    )
+    assert (s2.lr, s2.head_lr, s2.alpha, s2.tau, s2.temperature) == (3e-4, 2e-4, 0.8, 0.01, 1.0)
+    assert (h.lr, h.num_anchors, h.anchors, h.b2, h.decay_all) == (
+        5e-5,
+        64,
+        "sequence",
+        0.999,
+        True,
+    )
+    assert cfg.draft.accept_dim == 0
 
 
 def test_qwen3_8b_recipe_builds_abstractly():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.drafter.checkpoint import load_drafter
 from adaflash_jax.model.checkpoint import save_target
 from adaflash_jax.model.config import TargetConfig
@@ -27,7 +28,8 @@ def get_config():
                       regen_dir={regen!r}),
         draft=DraftSpec(layers=1, block_size=4, target_layer_ids=(0, 1)),
         stage1=Stage1Spec(steps=3), head_init=HeadInitSpec(steps=2),
-        stage2=Stage2Spec(rounds=2, steps_per_round=1, prompts_per_round=8),
+        stage2=Stage2Spec(rounds=2, steps_per_round=1, prompts_per_round=8,
+                          methods=("adaflash", "sft", "stage1_long")),
         checkpoint=CheckpointSpec(every=2),
     )
 """
@@ -52,7 +54,7 @@ def micro(tmp_path_factory):
     save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), target_dir)
     prompts = str(root / "prompts.jsonl")
     with open(prompts, "w") as f:
-        for i in range(8):
+        for i in range(24):  # stage 1 takes 4 per domain; the stage-2 pool 16 others
             rec = {"domain": "code", "prompt": f"def f{i}(x):"}
             if i % 2:
                 rec = {"domain": "chat", "messages": [{"role": "user", "content": f"Hi {i}"}]}
@@ -75,13 +77,23 @@ def test_full_micro_pipeline(micro):
     assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
-    assert set(report["tau"]) == {"stage1", "adaflash", "sft"}
+    assert set(report["tau"]) == {"stage1", "adaflash", "sft", "stage1_long"}
     for per_domain in report["tau"].values():
         assert set(per_domain) == {"code", "chat"}
         assert all(1.0 <= t <= 4.0 for t in per_domain.values())
     assert report["wall_s"] > 0 and set(report["summary"]["adaflash"]) == {"mean", "cv"}
-    for method in ("stage1", "adaflash", "sft"):
+    for method in ("stage1", "adaflash", "sft", "stage1_long"):
         _check_export(os.path.join(run_dir, "export", method))
+    # stage1_long trained stage 1 for its 3 steps plus the 2 × 1 stage-2 steps
+    assert report["final_metrics"]["stage1_long"]["step"] == 5
+    # every round collected NEW prompts: none of stage 1's, none of another round's
+    assert report["stage2_pool"] == 16
+    prompts = lambda d: {tuple(r[: np.argmax(m)]) for r, m in zip(d.tokens, d.loss_mask)}  # noqa: E731
+    stage1 = prompts(SequenceData.load(os.path.join(root, "regen", "train")))
+    rounds = [prompts(SequenceData.load(os.path.join(run_dir, "stage2", "adaflash", f"round{r}")))
+              for r in (0, 1)]  # fmt: skip
+    assert len(rounds[0]) == len(rounds[1]) == 8
+    assert not (rounds[0] & rounds[1]) and not ((rounds[0] | rounds[1]) & stage1)
     for png in ("tau.png", "losses.png"):
         assert os.path.getsize(os.path.join(run_dir, png)) > 1000
     scalars = read_scalars(os.path.join(run_dir, "tb"))
@@ -164,6 +176,7 @@ def test_init_from_plain_dflash_export(micro, capsys):
     args = ["--config", config, "--run-dir", run_dir, "--init-drafter", dflash_dir]
     # the import has no acceptance network: it gets a fresh one of the run's width
     flags = ["--rounds", "1", "--set", "draft.accept_dim=8", "--no-progress"]
+    flags += ["--set", "stage2.methods=('adaflash', 'sft')"]  # stage1_long needs stage 1
     assert cli.main([*args, *flags]) == 0
     assert not os.path.exists(os.path.join(run_dir, "ckpt", "stage1"))
     out = load_drafter(os.path.join(run_dir, "export", "adaflash"))
@@ -171,7 +184,7 @@ def test_init_from_plain_dflash_export(micro, capsys):
     # a trained acceptance network keeps its width: another width is refused before compute
     again = str(root / "run_again")
     args = ["--config", config, "--run-dir", again, "--init-drafter", run_dir + "/export/adaflash"]
-    assert cli.main([*args, "--set", "draft.accept_dim=16", "--no-progress"]) == 2
+    assert cli.main([*args, *flags[-2:], "--set", "draft.accept_dim=16", "--no-progress"]) == 2
     assert "draft.accept_dim=8" in capsys.readouterr().err and not os.path.exists(again)
     # stage 1 was skipped: the "stage1" export is the import plus its initialised head
     stage1 = load_drafter(os.path.join(run_dir, "export", "stage1"))

@@ -2,12 +2,20 @@
 
 Dimensions: B batch, S sequence length, N anchors per sequence, K block size, P = K−1.
 
-A sequence is prompt + response; `loss_mask[s]` is 1 exactly on response tokens. An anchor a
-is admissible when a is a response position, a ≤ S−K (the whole block fits) and its first
-label a+1 is a response token; later labels past the response end are masked out. Anchors
-are drawn uniformly without replacement (host-side NumPy, so a run is reproducible from
-(seed, epoch, example)); a sequence with fewer admissible positions than N fills the rest
-with padding blocks marked invalid.
+A sequence is prompt + response + padding; `loss_mask[s]` is 1 exactly on response tokens.
+Anchors are drawn uniformly without replacement (host-side NumPy, so a run is reproducible
+from (seed, epoch, example)) from the positions one of the `ANCHOR_RULES` admits:
+
+- "response" (stage 1 and stage 2, the reference): a is a response position, a ≤ S−K (the
+  whole block fits) and its first label a+1 is a response token; later labels past the
+  response end are masked out.
+- "visited" (a stage-2 ablation, not the reference): "response" positions where the drafter
+  really started a block during on-policy collection.
+- "sequence" (the reference's offline length-head init): K ≤ a < len−K over the whole
+  non-padding sequence, prompt included; its labels are the sequence's own tokens.
+
+A sequence with fewer admissible positions than N fills the rest with padding blocks marked
+invalid.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+ANCHOR_RULES = ("response", "visited", "sequence")
+
 
 def admissible(loss_mask_S: np.ndarray, block_size: int) -> np.ndarray:
-    """Bool [S]: positions that may start a training block."""
+    """Bool [S]: response positions that may start a training block ("response" rule)."""
     m = np.asarray(loss_mask_S, bool)
     s = m.shape[0]
     ok = np.zeros(s, bool)
@@ -28,26 +38,44 @@ def admissible(loss_mask_S: np.ndarray, block_size: int) -> np.ndarray:
     return ok
 
 
-def sample_anchors(
-    loss_mask_S: np.ndarray,
-    num_anchors: int,
-    block_size: int,
-    rng: np.random.Generator,
-    candidates: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(anchors [N] int32 sorted, valid [N] bool) for one sequence.
+def sequence_length(loss_mask_S: np.ndarray) -> int:
+    """Non-padding tokens of a prompt + response row: one past its last response token."""
+    m = np.asarray(loss_mask_S, bool)
+    return int(m.shape[0] - np.argmax(m[::-1])) if m.any() else 0
 
-    `candidates` restricts the draw to given positions (stage 2: the block starts the drafter
-    really visited during on-policy collection); inadmissible candidates are dropped.
-    """
+
+def sequence_mask(loss_mask_S: np.ndarray) -> np.ndarray:
+    """Bool [S]: every non-padding token (the "sequence" rule's label mask)."""
+    return np.arange(len(loss_mask_S)) < sequence_length(loss_mask_S)
+
+
+def admissible_by_rule(
+    loss_mask_S: np.ndarray, block_size: int, rule: str, visited: np.ndarray | None = None
+) -> np.ndarray:
+    """Bool [S]: the positions `rule` admits (see the module docstring)."""
+    if rule not in ANCHOR_RULES:
+        raise ValueError(f"unknown anchor rule {rule!r}; choose from {ANCHOR_RULES}")
+    if rule == "sequence":
+        ok = np.zeros(len(loss_mask_S), bool)
+        ok[block_size : max(sequence_length(loss_mask_S) - block_size, block_size)] = True
+        return ok
     ok = admissible(loss_mask_S, block_size)
-    if candidates is not None:
+    if rule == "visited":
+        if visited is None:
+            raise ValueError("the 'visited' anchor rule needs recorded block starts")
         keep = np.zeros_like(ok)
-        c = np.asarray(candidates, np.int64)
-        c = c[(c >= 0) & (c < ok.shape[0])]
-        keep[c] = True
+        c = np.asarray(visited, np.int64)
+        keep[c[(c >= 0) & (c < ok.shape[0])]] = True  # −1 pads and stray starts drop
         ok &= keep
-    pool = np.flatnonzero(ok)
+    return ok
+
+
+def sample_anchors(
+    ok_S: np.ndarray, num_anchors: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(anchors [N] int32 sorted, valid [N] bool): N of the admissible positions `ok_S`,
+    uniformly without replacement; fewer admissible positions leave invalid padding."""
+    pool = np.flatnonzero(ok_S)
     anchors = np.zeros(num_anchors, np.int32)
     valid = np.zeros(num_anchors, bool)
     if pool.size > num_anchors:

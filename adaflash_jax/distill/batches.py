@@ -19,7 +19,13 @@ import json
 import numpy as np
 
 from adaflash_jax.distill import fs
-from adaflash_jax.distill.anchors import example_rng, sample_anchors
+from adaflash_jax.distill.anchors import (
+    ANCHOR_RULES,
+    admissible_by_rule,
+    example_rng,
+    sample_anchors,
+    sequence_mask,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +52,18 @@ class SequenceData:
     @property
     def seq_len(self) -> int:
         return self.tokens.shape[1]
+
+    def subset(self, rows) -> SequenceData:
+        """The given rows (recorded block starts included), same domains, no meta."""
+        rows = np.asarray(rows)
+        visited = None if self.visited is None else self.visited[rows]
+        return SequenceData(
+            tokens=self.tokens[rows],
+            loss_mask=self.loss_mask[rows],
+            domain=self.domain[rows],
+            domains=self.domains,
+            visited=visited,
+        )
 
     def save(self, path: str) -> None:
         """Arrays first, meta.json last: a directory with meta.json is complete."""
@@ -75,11 +93,13 @@ _MAX_EPOCHS = 1_000_000  # the example stream is endless for any practical run
 
 class Examples:
     """Random access to the endless, epoch-shuffled example stream: sample g is example
-    perm_e[g mod M] of epoch e = g div M, with anchors drawn from (seed, e, example)."""
+    perm_e[g mod M] of epoch e = g div M, with anchors drawn from (seed, e, example) by
+    `anchor_rule` (see `distill.anchors`). Under the "sequence" rule the served loss mask is
+    every non-padding token (those blocks learn the sequence's own tokens)."""
 
-    def __init__(self, data: SequenceData, *, num_anchors, block_size, seed, on_policy):
+    def __init__(self, data: SequenceData, *, num_anchors, block_size, seed, anchor_rule):
         self.data, self.num_anchors, self.block_size = data, num_anchors, block_size
-        self.seed, self.on_policy = seed, on_policy
+        self.seed, self.anchor_rule = seed, anchor_rule
 
     def __len__(self) -> int:
         return len(self.data) * _MAX_EPOCHS
@@ -92,16 +112,13 @@ class Examples:
         epoch, j = divmod(int(g), len(self.data))
         i = int(self._permutation(epoch)[j])
         d = self.data
-        anchors, valid = sample_anchors(
-            d.loss_mask[i],
-            self.num_anchors,
-            self.block_size,
-            example_rng(self.seed, epoch, i),
-            candidates=d.visited[i] if self.on_policy else None,
-        )
+        visited = d.visited[i] if self.anchor_rule == "visited" else None
+        ok = admissible_by_rule(d.loss_mask[i], self.block_size, self.anchor_rule, visited)
+        anchors, valid = sample_anchors(ok, self.num_anchors, example_rng(self.seed, epoch, i))
+        mask = d.loss_mask[i] if self.anchor_rule != "sequence" else sequence_mask(d.loss_mask[i])
         return {
             "tokens": d.tokens[i].astype(np.int32),
-            "loss_mask": d.loss_mask[i].astype(bool),
+            "loss_mask": mask.astype(bool),
             "anchors": anchors,
             "valid": valid,
         }
@@ -123,7 +140,7 @@ class BatchIterator:
         num_anchors: int,
         block_size: int,
         seed: int,
-        on_policy_anchors: bool = False,
+        anchor_rule: str = "response",
         process_index: int = 0,
         process_count: int = 1,
         backend: str = "auto",
@@ -132,8 +149,10 @@ class BatchIterator:
             raise ValueError("cannot train on an empty dataset")
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} does not split over {process_count}")
-        if on_policy_anchors and data.visited is None:
-            raise ValueError("on-policy anchors need a dataset with recorded block starts")
+        if anchor_rule not in ANCHOR_RULES:
+            raise ValueError(f"unknown anchor rule {anchor_rule!r}; choose from {ANCHOR_RULES}")
+        if anchor_rule == "visited" and data.visited is None:
+            raise ValueError("'visited' anchors need a dataset with recorded block starts")
         if backend not in ("auto", "grain", "python"):
             raise ValueError(f"backend must be auto, grain or python, got {backend!r}")
         self.source = Examples(
@@ -141,11 +160,12 @@ class BatchIterator:
             num_anchors=num_anchors,
             block_size=block_size,
             seed=seed,
-            on_policy=on_policy_anchors,
+            anchor_rule=anchor_rule,
         )
         self.local = global_batch // process_count
         self.p, self.P = process_index, process_count
         self.fingerprint = {"examples": len(data), "seed": seed, "global_batch": global_batch}
+        self.fingerprint["anchors"] = f"{anchor_rule}:{num_anchors}"
         self.next_index = 0
         self._grain = None
         if backend in ("auto", "grain"):

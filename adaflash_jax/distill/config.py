@@ -24,9 +24,12 @@ from typing import Any
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
-METHODS = ("stage1", "adaflash", "sft", "fkl")  # fkl: forward-KL comparison (opt-in)
+# stage1_long: stage 1 run for its steps plus every stage-2 step (the equal-steps baseline)
+METHODS = ("stage1", "adaflash", "sft", "fkl", "stage1_long")
 # method → (divergence of the clipped KL term, α override; None keeps stage2.alpha)
 STAGE2_OBJECTIVE = {"adaflash": ("rkl", None), "sft": ("rkl", 1.0), "fkl": ("fkl", None)}
+STAGE2_METHODS = (*STAGE2_OBJECTIVE, "stage1_long")
+POOLS = ("fresh", "stage1")
 MAX_BLOCK_SIZE = 32
 COLLECTORS = ("replay", "engine")
 DTYPES = ("float32", "bfloat16")
@@ -46,6 +49,8 @@ class DataSpec:
 
     train_prompts: str | None = None  # JSONL (`prompt` / ShareGPT) or plain text
     eval_prompts: str | None = None
+    # Stage-2 prompts (stage2.pool = "fresh"). None: the train prompts stage 1 did not use.
+    stage2_prompts: str | None = None
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's template
     domains: tuple[str, ...] = ()  # () → every domain the prompts carry
     train_per_domain: int = 64  # prompts regenerated per domain for stage 1 / head init
@@ -112,33 +117,67 @@ class Stage1Spec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HeadInitSpec:
+    """Fit the length head with the drafter frozen (reference: offline init, AdamW lr 5e-5 with
+    torch's defaults β (0.9, 0.999), weight decay 0.01 on every parameter, 64 anchors per
+    sequence drawn over the whole sequence: the "sequence" anchor rule)."""
+
     steps: int = 100
-    lr: float = 1e-3
+    lr: float = 5e-5
+    num_anchors: int = 64
+    anchors: str = "sequence"  # "sequence" (reference) or "response" (distill.anchors)
+    weight_decay: float = 0.01
+    b2: float = 0.999
+    decay_all: bool = True  # decay norms and biases too, as torch's AdamW
+    clip_norm: float | None = None  # the reference's offline init clips nothing
 
     def __post_init__(self):
-        _positive("head_init", self, "steps", allow_zero=True)
-        _positive("head_init", self, "lr")
+        _positive("head_init", self, "steps", "weight_decay", allow_zero=True)
+        if self.clip_norm is not None:
+            _positive("head_init", self, "clip_norm")
+        _positive("head_init", self, "lr", "num_anchors")
+        if self.anchors not in ("response", "sequence"):
+            raise ConfigError(
+                f"head_init.anchors must be 'sequence' (reference) or 'response': {self.anchors!r}"
+            )
+        if not 0.0 < self.b2 < 1.0:
+            raise ConfigError(f"head_init.b2 must be in (0, 1), got {self.b2}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage2Spec:
-    """On-policy rounds: collect with the current drafter, then train `steps_per_round`."""
+    """On-policy rounds (DESIGN §4.2): each round takes `prompts_per_round` NEW prompts from
+    the stage-2 pool, collects them with the current drafter, trains `steps_per_round` on
+    that buffer (about steps·batch/prompts epochs), then drops it.
+
+    Reference values: anchors "response" (uniform over the response, resampled every
+    forward), pool "fresh" (prompts disjoint from stage 1's), AdamW β (0.9, 0.999) with
+    weight decay 0.01 on every parameter, constant lr 3e-4 / 2e-4 (head), one clip 1.0 over
+    drafter + thresh head (the optional acceptance network is clipped on its own).
+    """
 
     rounds: int = 2
     steps_per_round: int = 50
-    prompts_per_round: int = 64  # training prompts decoded per collection round
+    prompts_per_round: int = 64  # NEW prompts collected per round
     lr: float = 3e-4
     head_lr: float = 2e-4
     weight_decay: float = 0.01
+    b2: float = 0.999
+    decay_all: bool = True  # decay norms and biases too, as torch's AdamW
     clip_norm: float = 1.0
     alpha: float = 0.8
-    tau: float = 0.01  # clips KL/Nw (see losses.py)
+    tau: float = 0.01  # clips KL/Nw per sequence: a cap of τ·Nw nats (see losses.py)
     temperature: float = 1.0
     collect_temperature: float = 0.0  # 0: greedy collection (lossless → target's own text)
     collect_slots: int = 16  # engine collector: rows decoded together
     methods: tuple[str, ...] = ("adaflash", "sft")  # each runs its own rounds, same compute
-    # "replay": exact greedy replay of regenerated responses (cheap; temperature 0 only);
-    # "engine": speculative decoding with the serving engine on the prompts.
+    # "response": uniform over the response (reference); "visited": only the block starts
+    # the drafter visited while collecting (an ablation).
+    anchors: str = "response"
+    # "fresh": new prompts every round (reference); "stage1": replay stage 1's sequences.
+    pool: str = "fresh"
+    # "replay": exact greedy replay of the pool's target responses (regenerated once; cheap;
+    # temperature 0 only; greedy speculative decoding is lossless, so its text and
+    # acceptances equal the engine's); "engine": the serving engine on the prompts.
     collector: str = "replay"
 
     def __post_init__(self):
@@ -149,20 +188,26 @@ class Stage2Spec:
         _positive("stage2", self, "collect_temperature", allow_zero=True)
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"stage2.alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 < self.b2 < 1.0:
+            raise ConfigError(f"stage2.b2 must be in (0, 1), got {self.b2}")
         if not self.tau > 0:
             raise ConfigError(f"stage2.tau must be positive, got {self.tau}")
         if self.collector not in COLLECTORS:
             raise ConfigError(f"stage2.collector must be one of {COLLECTORS}: {self.collector!r}")
+        if self.anchors not in ("response", "visited"):
+            raise ConfigError(
+                f"stage2.anchors must be 'response' (reference) or 'visited': {self.anchors!r}"
+            )
+        if self.pool not in POOLS:
+            raise ConfigError(f"stage2.pool must be one of {POOLS}: {self.pool!r}")
         if self.collector == "replay" and self.collect_temperature > 0:
             raise ConfigError(
                 "stage2.collector 'replay' is exact for greedy collection only; use "
                 "stage2.collector='engine' with stage2.collect_temperature > 0"
             )
         for m in self.methods:
-            if m not in STAGE2_OBJECTIVE:
-                raise ConfigError(
-                    f"stage2.methods has {m!r}; choose from {tuple(STAGE2_OBJECTIVE)}"
-                )
+            if m not in STAGE2_METHODS:
+                raise ConfigError(f"stage2.methods has {m!r}; choose from {STAGE2_METHODS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,8 +244,11 @@ class RunConfig:
     mesh: tuple[int, int, int] = (-1, 1, 1)  # (data, fsdp, tensor); one -1 fills
     batch_size: int = 8  # global sequences per step
     seq_len: int = 128  # prompt + response tokens per training sequence
-    num_anchors: int = 8  # blocks per sequence
+    num_anchors: int = 8  # blocks per sequence (stage 1 and stage 2)
     compute_dtype: str = "float32"  # master weights are always float32
+    # Blocks per chunk of the loss's full-vocabulary logits (0: all blocks at once); a chunk's
+    # logits are rematerialised in the backward pass (losses.position_stats).
+    loss_chunk: int = 0
     data: DataSpec = DataSpec()
     draft: DraftSpec = DraftSpec()
     stage1: Stage1Spec = Stage1Spec()
@@ -217,11 +265,17 @@ class RunConfig:
         if self.mesh.count(-1) > 1:
             raise ConfigError(f"mesh may have one -1 (fill) axis, got {self.mesh}")
         _positive("run", self, "batch_size", "seq_len", "num_anchors", "log_every")
+        _positive("run", self, "loss_chunk", allow_zero=True)
         if self.compute_dtype not in DTYPES:
             raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
         k = self.draft.block_size
         if self.seq_len < k + 2:
             raise ConfigError(f"seq_len {self.seq_len} must exceed draft.block_size {k} + 1")
+        if "stage1_long" in self.stage2.methods and self.draft.init_from is not None:
+            raise ConfigError(
+                "stage2.methods has 'stage1_long', which needs stage 1, but draft.init_from "
+                "skips it"
+            )
         if self.data.max_prompt_len + 1 >= self.seq_len:
             raise ConfigError(
                 f"data.max_prompt_len {self.data.max_prompt_len} leaves no response room "

@@ -39,6 +39,7 @@ class Context:
     pad_id: int
     train_prompts: list[P.Prompt]
     eval_prompts: list[P.Prompt]
+    stage2_prompts: list[P.Prompt] = dataclasses.field(default_factory=list)  # pool "fresh"
     progress: bool = True  # training/collection progress bars (process 0 only)
 
     @property
@@ -119,22 +120,60 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
     return dcfg
 
 
-def _prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
-    path = cfg.data.train_prompts if split == "train" else cfg.data.eval_prompts
+def _found_prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
+    """Every prompt of a split's source: its file, or the embedded corpus's split."""
+    path = {
+        "train": cfg.data.train_prompts,
+        "eval": cfg.data.eval_prompts,
+        "stage2": cfg.data.stage2_prompts or cfg.data.train_prompts,
+    }[split]
     if path is not None:
-        found = P.read_prompts(path)
-    elif cfg.target_path is None:
+        return P.read_prompts(path)
+    if cfg.target_path is None:
         from adaflash_jax import embedded
 
-        get = embedded.train_prompts if split == "train" else embedded.eval_prompts
-        found = P.from_records(get(preset=cfg.embedded_preset))
-    else:
-        raise ConfigError(
-            f"data.{split}_prompts must name a prompt file when target_path is set "
-            "(the embedded prompts belong to the embedded target)"
-        )
+        get = embedded.eval_prompts if split == "eval" else embedded.train_prompts
+        return P.from_records(get(preset=cfg.embedded_preset))
+    name = "train" if split == "stage2" else split
+    raise ConfigError(
+        f"data.{name}_prompts must name a prompt file when target_path is set "
+        "(the embedded prompts belong to the embedded target)"
+    )
+
+
+def _prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
+    found = _found_prompts(cfg, split)
     count = cfg.data.train_per_domain if split == "train" else cfg.data.eval_per_domain
     return P.per_domain(found, count, seed=cfg.seed, domains=cfg.data.domains)
+
+
+def stage2_pool_size(cfg: RunConfig) -> int:
+    """Prompts stage 2 needs for every round to see new ones (0 when it draws none)."""
+    s2 = cfg.stage2
+    trained = [m for m in s2.methods if m != "stage1_long"]
+    if s2.pool != "fresh" or not s2.rounds or not trained:
+        return 0
+    return s2.rounds * s2.prompts_per_round
+
+
+def _stage2_prompts(cfg: RunConfig, train: list[P.Prompt]) -> list[P.Prompt]:
+    """The "fresh" pool: prompts of the stage-2 source that stage 1 did not use, balanced
+    over domains, `rounds × prompts_per_round` of them when the source has that many."""
+    need = stage2_pool_size(cfg)
+    if not need:
+        return []
+    used = {P.identity(p) for p in train}
+    left = [p for p in _found_prompts(cfg, "stage2") if P.identity(p) not in used]
+    domains = cfg.data.domains or tuple(dict.fromkeys(p.domain for p in train))
+    per = -(-need // max(len(domains), 1))
+    pool = P.per_domain(left, per, seed=cfg.seed + 1, domains=domains) if left else []
+    if 0 < len(pool) < need and jax.process_index() == 0:
+        print(
+            f"warning: the stage-2 pool has {len(pool)} prompts not used by stage 1, the "
+            f"rounds need {need}: later rounds repeat prompts",
+            flush=True,
+        )
+    return pool
 
 
 def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> Context:
@@ -167,7 +206,13 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     pad = pad if pad is not None else (eos[0] if eos else 0)
     train, evals = _prompts(cfg, "train"), _prompts(cfg, "eval")
-    if tokenizer is None and any(p.text or p.messages for p in train + evals):
+    pool = _stage2_prompts(cfg, train)
+    if cfg.stage2.pool == "fresh" and stage2_pool_size(cfg) and not pool:
+        raise ConfigError(
+            "stage2.pool 'fresh' found no prompts that stage 1 did not use: set "
+            "data.stage2_prompts, lower data.train_per_domain, or stage2.pool='stage1'"
+        )
+    if tokenizer is None and any(p.text or p.messages for p in train + evals + pool):
         raise ConfigError(f"target_path {target_dir} has no tokenizer.json to encode the prompts")
     return Context(
         cfg=cfg,
@@ -181,4 +226,5 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         pad_id=int(pad),
         train_prompts=train,
         eval_prompts=evals,
+        stage2_prompts=pool,
     )

@@ -22,17 +22,19 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
+from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.distill.context import Context, prepare
 from adaflash_jax.distill.export import export_drafter, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
-from adaflash_jax.distill.stages import Trainer, evaluate
+from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate, stage1_long_steps
 from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.sharding.rules import TRAIN_RULES
@@ -48,34 +50,66 @@ def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _datasets(ctx: Context, target_split):
-    """(train data, eval data, train prompt ids, eval prompt ids), regenerated or reused."""
+@dataclasses.dataclass(frozen=True)
+class Datasets:
+    train: SequenceData  # stage 1 and head init: the target's greedy responses
+    eval: SequenceData  # held-out τ
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+    pool: Stage2Pool | None  # what stage-2 rounds draw from
+
+
+def _encode(ctx: Context, prompts) -> list[list[int]]:
     cfg = ctx.cfg
-    regen_dir = cfg.data.regen_dir or ctx.path("data")
-    out = []
-    for split, prompts in (("train", ctx.train_prompts), ("eval", ctx.eval_prompts)):
-        ids = P.encode(
-            prompts,
-            ctx.tokenizer,
-            chat_template=cfg.data.chat_template,
-            max_len=cfg.data.max_prompt_len,
-        )
-        data = regenerate_dataset(
-            f"{regen_dir}/{split}",
-            target_split,
-            ctx.target_cfg,
-            ids,
-            [p.domain for p in prompts],
-            target_id=os.path.abspath(ctx.target_dir),
-            max_new_tokens=cfg.data.max_new_tokens,
-            seq_len=cfg.seq_len,
-            batch_size=cfg.data.regen_batch,
-            eos_ids=ctx.eos_ids,
-            pad_id=ctx.pad_id,
-            progress=ctx.progress,
-        )
-        out.append((data, ids))
-    return out[0][0], out[1][0], out[0][1], out[1][1]
+    return P.encode(
+        prompts,
+        ctx.tokenizer,
+        chat_template=cfg.data.chat_template,
+        max_len=cfg.data.max_prompt_len,
+    )
+
+
+def _regenerated(ctx: Context, target_split, split: str, ids, prompts) -> SequenceData:
+    cfg = ctx.cfg
+    return regenerate_dataset(
+        f"{cfg.data.regen_dir or ctx.path('data')}/{split}",
+        target_split,
+        ctx.target_cfg,
+        ids,
+        [p.domain for p in prompts],
+        target_id=os.path.abspath(ctx.target_dir),
+        max_new_tokens=cfg.data.max_new_tokens,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.data.regen_batch,
+        eos_ids=ctx.eos_ids,
+        pad_id=ctx.pad_id,
+        progress=ctx.progress,
+    )
+
+
+def _datasets(ctx: Context, target_split) -> Datasets:
+    """Train and eval sets regenerated (or reused), and the stage-2 pool: the "fresh" pool's
+    target responses are regenerated once for the replay collector (greedy, so they are
+    exactly what every round's speculative decoding commits); the engine collector decodes
+    the prompts itself each round."""
+    train_ids, eval_ids = _encode(ctx, ctx.train_prompts), _encode(ctx, ctx.eval_prompts)
+    train = _regenerated(ctx, target_split, "train", train_ids, ctx.train_prompts)
+    evals = _regenerated(ctx, target_split, "eval", eval_ids, ctx.eval_prompts)
+    pool = None
+    if ctx.cfg.stage2.pool == "stage1":
+        pool = Stage2Pool.of(train, train_ids)
+    elif ctx.stage2_prompts:
+        ids = _encode(ctx, ctx.stage2_prompts)
+        if ctx.cfg.stage2.collector == "replay":
+            pool = Stage2Pool.of(
+                _regenerated(ctx, target_split, "stage2", ids, ctx.stage2_prompts), ids
+            )
+        else:
+            names = [p.domain for p in ctx.stage2_prompts]
+            domains = tuple(dict.fromkeys(names))
+            domain = np.asarray([domains.index(d) for d in names], np.int32)
+            pool = Stage2Pool(ids, domain, domains)
+    return Datasets(train, evals, train_ids, eval_ids, pool)
 
 
 def _write_config(ctx: Context) -> None:
@@ -113,7 +147,7 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     target = load_target(ctx.target_dir, dtype=dtype, mesh=mesh, rules=TRAIN_RULES)
     target_split = nnx.split(target, nnx.Param)
     del target
-    train_data, eval_data, train_ids, eval_ids = _datasets(ctx, target_split)
+    data = _datasets(ctx, target_split)
     t = mark("regenerate", t)
 
     dc = ctx.drafter_cfg
@@ -135,30 +169,36 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     try:
         with writer, PreemptionGuard() as guard:
             trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
-            results = _train_and_evaluate(ctx, trainer, params, train_data, eval_data, train_ids,
-                                          eval_ids, mark, t)  # fmt: skip
+            results = _train_and_evaluate(ctx, trainer, params, data, mark, t)
     finally:
         if ctx.is_main:
             tb.sync()
-    report = _report(ctx, results, timings, time.perf_counter() - t0, train_data, eval_data)
+    report = _report(ctx, results, timings, time.perf_counter() - t0, data)
     if ctx.is_main:
         R.plot_losses(ctx.path("losses.png"), read_scalars(tb.local))
     return report
 
 
-def _train_and_evaluate(ctx, trainer, params, train_data, eval_data, train_ids, eval_ids, mark, t):
+def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     cfg = ctx.cfg
+    start = params
     if cfg.draft.init_from is None:
-        params = trainer.stage1(params, train_data)
+        params = trainer.stage1(params, data.train)
     t = mark("stage1", t)
-    params = trainer.head_init(params, train_data)
+    params = trainer.head_init(params, data.train)
     t = mark("head_init", t)
     finals = {"stage1": params}
     collect_tau = {}
     for method in cfg.stage2.methods:
-        finals[method], collect_tau[method] = trainer.stage2(method, params, train_data, train_ids)
+        if method == "stage1_long":
+            # Stage 1 for its steps plus every stage-2 step, on its own schedule; then the
+            # head as stage 1's. Equal total training steps to each stage-2 method.
+            long = trainer.stage1(start, data.train, name=method, total=stage1_long_steps(cfg))
+            finals[method] = trainer.head_init(long, data.train, name=f"head_init_{method}")
+        else:
+            finals[method], collect_tau[method] = trainer.stage2(method, params, data.pool)
         t = mark(f"stage2_{method}", t)
-    tau = {m: evaluate(trainer, p, eval_data, eval_ids) for m, p in finals.items()}
+    tau = {m: evaluate(trainer, p, data.eval, data.eval_ids) for m, p in finals.items()}
     t = mark("evaluate", t)
     d_graph = trainer.d_graph
     exports = {m: export_drafter(d_graph, p, ctx.path("export", m)) for m, p in finals.items()}
@@ -171,7 +211,7 @@ def _train_and_evaluate(ctx, trainer, params, train_data, eval_data, train_ids, 
     }
 
 
-def _report(ctx: Context, results, timings, wall_s, train_data, eval_data) -> dict:
+def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     tau = results["tau"]
     report = {
         "tau": tau,
@@ -186,9 +226,10 @@ def _report(ctx: Context, results, timings, wall_s, train_data, eval_data) -> di
         "target": ctx.target_dir,
         "devices": jax.device_count(),
         "mesh": list(ctx.mesh_shape),
-        "train_sequences": len(train_data),
+        "train_sequences": len(data.train),
+        "stage2_pool": len(data.pool) if data.pool is not None else 0,
         "eval_sequences": {
-            d: int((eval_data.domain == i).sum()) for i, d in enumerate(eval_data.domains)
+            d: int((data.eval.domain == i).sum()) for i, d in enumerate(data.eval.domains)
         },  # fmt: skip
         "config": dataclasses.asdict(ctx.cfg),
     }

@@ -95,6 +95,11 @@ def read_prompts(path: str | os.PathLike, *, default_domain: str | None = None) 
     ]
 
 
+def identity(p: Prompt) -> str:
+    """A hashable key of a prompt's content (to keep prompt pools disjoint)."""
+    return json.dumps([p.domain, p.text, p.messages], sort_keys=True)
+
+
 def from_records(records: Sequence[dict], default_domain: str = "default") -> list[Prompt]:
     """Prompts from in-memory records ({"domain", "prompt"} as the embedded corpus gives)."""
     return [parse_record(r, default_domain=default_domain) for r in records]

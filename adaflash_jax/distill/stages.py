@@ -1,5 +1,12 @@
 """Stage runners: stage 1, head init, and the stage-2 collect ⇄ train rounds.
 
+Stage 2 follows the reference loop (DESIGN §4.2): round r takes `prompts_per_round` prompts
+of the stage-2 pool that no earlier round used (the pool is disjoint from stage 1's prompts
+unless `stage2.pool = "stage1"`), collects them with the CURRENT drafter, trains on that
+buffer with anchors drawn uniformly over each response, and drops it. The accepted lengths
+seen while collecting are logged (the round's τ), never used to pick training positions
+(except in the opt-in "visited" anchors ablation).
+
 Every stage trains from given drafter params with its own optimizer and checkpoint
 directory (`<run>/ckpt/<stage>`); restarting a stage resumes from its latest checkpoint
 (data position and stage-2 round included), and a finished stage restores instantly. The
@@ -16,7 +23,7 @@ import numpy as np
 
 from adaflash_jax.distill import collect, steps
 from adaflash_jax.distill.batches import BatchIterator, SequenceData
-from adaflash_jax.distill.config import STAGE2_OBJECTIVE
+from adaflash_jax.distill.config import STAGE2_OBJECTIVE, RunConfig
 from adaflash_jax.distill.context import Context
 from adaflash_jax.distill.loop import StageRun, restore_or_start, run_stage
 from adaflash_jax.distill.regenerate import build_sequences
@@ -29,6 +36,42 @@ from adaflash_jax.train.optimizer import OptimizerConfig
 # so a second run in the same process (tests, resumes) does not compile again.
 _COMPILED: dict[tuple, tuple] = {}
 REPLAY_BATCH = 16  # fixed, so collection and evaluation share one replay program
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage2Pool:
+    """The prompts stage-2 rounds draw from; `sequences` holds the target's greedy responses
+    (the replay collector's input), absent for the engine collector, which decodes itself."""
+
+    prompt_ids: list[list[int]]
+    domain: np.ndarray  # [M] int32 index into `domains`
+    domains: tuple[str, ...]
+    sequences: SequenceData | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @classmethod
+    def of(cls, data: SequenceData, prompt_ids) -> Stage2Pool:
+        return cls(list(prompt_ids), data.domain, data.domains, data)
+
+
+def _adamw(lr: float, spec, **kw) -> OptimizerConfig:
+    """A constant-lr AdamW group of a stage spec with `weight_decay`, `b2`, `decay_all`."""
+    return OptimizerConfig(
+        lr=lr,
+        schedule="constant",
+        weight_decay=spec.weight_decay,
+        b2=spec.b2,
+        decay_all=spec.decay_all,
+        clip_norm=None,
+        **kw,
+    )
+
+
+def stage1_long_steps(cfg: RunConfig) -> int:
+    """Stage 1's steps plus every stage-2 step: the equal-total-steps baseline."""
+    return cfg.stage1.steps + cfg.stage2.rounds * cfg.stage2.steps_per_round
 
 
 class Trainer:
@@ -53,6 +96,7 @@ class Trainer:
             gamma=dc.loss_gamma,
             feature_layers=dc.target_layer_ids,
             divergence=divergence,
+            loss_chunk=self.cfg.loss_chunk,
         )
 
     def _checkpointer(self, name: str) -> Checkpointer:
@@ -61,14 +105,16 @@ class Trainer:
             self.ctx.path("ckpt", name), save_every=c.every, keep=c.keep, async_save=c.async_save
         )
 
-    def _iterator(self, data: SequenceData, seed: int, on_policy: bool) -> BatchIterator:
+    def _iterator(
+        self, data: SequenceData, seed: int, anchor_rule: str = "response", num_anchors=None
+    ) -> BatchIterator:
         return BatchIterator(
             data,
             global_batch=self.cfg.batch_size,
-            num_anchors=self.cfg.num_anchors,
+            num_anchors=num_anchors or self.cfg.num_anchors,
             block_size=self.ctx.drafter_cfg.block_size,
             seed=seed,
-            on_policy_anchors=on_policy,
+            anchor_rule=anchor_rule,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
@@ -77,7 +123,7 @@ class Trainer:
         # Stages with the same step and optimizer (the stage-2 methods that differ only in
         # their runtime loss knobs) reuse one jitted step: one compilation.
         key = (kind, divergence, clip, tuple(sorted((k, repr(v)) for k, v in groups.items())))
-        key += (self.mesh, self.d_graph, self.t_graph, self.cfg.batch_size)
+        key += (self.mesh, self.d_graph, self.t_graph, self.cfg.batch_size, self.cfg.loss_chunk)
         if key not in _COMPILED:
             tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
             _COMPILED[key] = (tx, schedules, None)
@@ -116,11 +162,11 @@ class Trainer:
         self.histories.setdefault(name, []).extend(hist)
         return state
 
-    def _fixed_data_stage(self, name, kind, params, groups, total, data, clip):
+    def _fixed_data_stage(self, name, kind, params, groups, total, it_args, clip):
         if total == 0:
             return params
         state, data_state, ckpt, fn = self._begin(name, kind, params, groups, clip)
-        it = self._iterator(data, self.cfg.seed, on_policy=False)
+        it = self._iterator(*it_args)
         if data_state:
             it.set_state(data_state)
         with ckpt:
@@ -128,41 +174,45 @@ class Trainer:
         return state.params
 
     # ---- stages ----------------------------------------------------------------------------
-    def stage1(self, params, data: SequenceData):
+    def stage1(self, params, data: SequenceData, *, name: str = "stage1", total=None):
+        """Decayed CE on the regenerated data; `total` steps (default stage1.steps) over one
+        warm-up + cosine schedule (`stage1_long` runs it for `stage1_long_steps`)."""
         s1 = self.cfg.stage1
+        total = s1.steps if total is None else total
         opt = OptimizerConfig(
             lr=s1.lr,
             schedule="cosine",
-            total_steps=max(s1.steps, 1),
-            warmup_steps=int(s1.warmup_fraction * s1.steps),
+            total_steps=max(total, 1),
+            warmup_steps=int(s1.warmup_fraction * total),
             final_lr_fraction=s1.final_lr_fraction,
             weight_decay=s1.weight_decay,
             clip_norm=None,
         )
-        groups = {"drafter": opt, "head": None}
-        return self._fixed_data_stage("stage1", "stage1", params, groups, s1.steps, data, 1.0)
+        it_args = (data, self.cfg.seed)
+        return self._fixed_data_stage(
+            name, "stage1", params, {"drafter": opt}, total, it_args, s1.clip_norm
+        )
 
-    def head_init(self, params, data: SequenceData):
+    def head_init(self, params, data: SequenceData, *, name: str = "head_init"):
+        """The length head (and its optional acceptance network) fitted with the drafter
+        frozen, on `head_init.num_anchors` blocks per sequence drawn by `head_init.anchors`."""
         h = self.cfg.head_init
-        opt = OptimizerConfig(lr=h.lr, schedule="constant", clip_norm=None)
-        groups = {"drafter": None, "head": opt}
-        return self._fixed_data_stage("head_init", "head_init", params, groups, h.steps, data, 1.0)
+        groups = {"head": _adamw(h.lr, h), "accept": _adamw(h.lr, h)}
+        it_args = (data, self.cfg.seed, h.anchors, h.num_anchors)
+        return self._fixed_data_stage(
+            name, "head_init", params, groups, h.steps, it_args, h.clip_norm
+        )
 
-    def stage2(self, method: str, params, pool: SequenceData, pool_prompts):
-        """`rounds` × (collect with the current drafter → train `steps_per_round`)."""
+    def stage2(self, method: str, params, pool: Stage2Pool):
+        """`rounds` × (collect new prompts with the current drafter → train
+        `steps_per_round`)."""
         s2 = self.cfg.stage2
         total = s2.rounds * s2.steps_per_round
         if total == 0:
             return params, []
         name = f"stage2_{method}"
-        groups = {
-            "drafter": OptimizerConfig(
-                lr=s2.lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
-            ),
-            "head": OptimizerConfig(
-                lr=s2.head_lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
-            ),
-        }
+        head = _adamw(s2.head_lr, s2)
+        groups = {"drafter": _adamw(s2.lr, s2), "head": head, "accept": head}
         divergence, alpha = STAGE2_OBJECTIVE[method]
         knobs = {
             "alpha": s2.alpha if alpha is None else alpha,
@@ -178,39 +228,36 @@ class Trainer:
                 end = (r + 1) * s2.steps_per_round
                 if int(jax.device_get(state.step)) >= end:
                     continue
-                data = self.collected(method, r, state.params, pool, pool_prompts)
+                data = self.collected(method, r, state.params, pool)
                 taus.append(data.meta["tau"])
                 if self.writer is not None:
                     tau = data.meta["tau"]
                     scalars = {f"{name}/collect_tau_{d}": v for d, v in tau.items()}
                     scalars[f"{name}/collect_tau"] = float(np.nanmean(list(tau.values())))
                     self.writer.write(r * s2.steps_per_round, scalars)
-                it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), on_policy=True)
+                it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), s2.anchors)
                 if data_state and data_state.get("round") == r:
                     it.set_state(data_state)
                 state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
         return state.params, taus
 
     # ---- on-policy data --------------------------------------------------------------------
-    def round_rows(self, pool: SequenceData, r: int) -> np.ndarray:
+    def round_rows(self, pool_size: int, r: int) -> np.ndarray:
+        """Round r's rows of the pool: consecutive slices of one seeded permutation, so rounds
+        never share a prompt until the pool is exhausted (then it wraps)."""
         n = self.cfg.stage2.prompts_per_round
-        perm = np.random.default_rng([self.cfg.seed, 7]).permutation(len(pool))
-        return perm[(r * n + np.arange(n)) % len(pool)]
+        perm = np.random.default_rng([self.cfg.seed, 7]).permutation(pool_size)
+        return perm[(r * n + np.arange(n)) % pool_size]
 
-    def collected(self, method, r, params, pool: SequenceData, pool_prompts) -> SequenceData:
+    def collected(self, method, r, params, pool: Stage2Pool) -> SequenceData:
         """Round r's on-policy trajectories (saved, so a resumed round reuses them)."""
         path = self.ctx.path("stage2", method, f"round{r}")
         if SequenceData.exists(path):
             return SequenceData.load(path)
-        rows = self.round_rows(pool, r)
+        rows = self.round_rows(len(pool), r)
         dc, s2 = self.ctx.drafter_cfg, self.cfg.stage2
         if s2.collector == "replay":
-            sub = SequenceData(
-                tokens=pool.tokens[rows],
-                loss_mask=pool.loss_mask[rows],
-                domain=pool.domain[rows],
-                domains=pool.domains,
-            )
+            sub = pool.sequences.subset(rows)
             trajs = collect.replay(
                 (self.d_graph, params),
                 self.target_split,
@@ -223,16 +270,16 @@ class Trainer:
                 progress=self.ctx.progress,
             )
         else:
-            sub, trajs = self.engine_rollouts(params, [pool_prompts[i] for i in rows], pool, rows)
+            prompts = [pool.prompt_ids[i] for i in rows]
+            sub, trajs = self.engine_rollouts(params, prompts, pool.domain[rows], pool.domains)
         data = collect.with_visited(sub, trajs)
         data = dataclasses.replace(data, meta={**data.meta, "round": r})
         if jax.process_index() == 0:
             data.save(path)
         return data
 
-    def engine_rollouts(
-        self, params, prompt_ids, pool: SequenceData, rows, temperature=None, slots=None
-    ):
+    def engine_rollouts(self, params, prompt_ids, domain_ids, domains, temperature=None,
+                        slots=None):  # fmt: skip
         from flax import nnx
 
         s2 = self.cfg.stage2
@@ -252,10 +299,10 @@ class Trainer:
         sub = build_sequences(
             prompt_ids,
             responses,
-            pool.domain[rows],
+            domain_ids,
             seq_len=self.cfg.seq_len,
             pad_id=self.ctx.pad_id,
-            domains=pool.domains,
+            domains=domains,
         )
         return sub, trajs
 
@@ -276,8 +323,7 @@ def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[s
             progress=trainer.ctx.progress,
         )
         return collect.tau_by_domain(data, trajs)
-    rows = np.arange(len(data))
     sub, trajs = trainer.engine_rollouts(
-        params, prompt_ids, data, rows, temperature=0.0, slots=cfg.eval.slots
+        params, prompt_ids, data.domain, data.domains, temperature=0.0, slots=cfg.eval.slots
     )
     return collect.tau_by_domain(sub, trajs)

@@ -7,11 +7,13 @@ Each is ONE pure function `(state, batch) -> (state, metrics)` over a `TrainStat
 `params` are the whole drafter (length head included, float32 master weights) and whose
 `frozen` field holds the target's weights. The target runs first, OUTSIDE `value_and_grad`
 and under `stop_gradient`: it yields the context features, the embedding and LM-head tables
-the drafter borrows, and the teacher logits at ℓ − 1 for every label position ℓ = a + k.
-Parameters that a stage does not train get a zero update (`optax.set_to_zero`) rather than
-a zero gradient, so weight decay cannot touch them. The length head always reads DETACHED
-drafter states (and, for its acceptance output, detached drafter logits), so its MSE and BCE
-never reach the drafter.
+the drafter borrows, and (stage 2) its final states at ℓ − 1 for every label position
+ℓ = a + k, from which the loss computes teacher logits chunk by chunk. Parameters that a
+stage does not train get a zero update (`optax.set_to_zero`) rather than a zero gradient, so
+weight decay cannot touch them. The length head always reads DETACHED drafter states (and
+detached confidence features), so its MSE and BCE never reach the drafter; the optional
+acceptance network is also clipped on its own (`clip_part`), so it cannot rescale the
+drafter's update either.
 
 `jit_step` compiles a step once with explicit in/out shardings and donates the old state.
 """
@@ -30,12 +32,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from adaflash_jax.distill import losses
 from adaflash_jax.distill.anchors import block_targets
 from adaflash_jax.sharding.rules import Rules
-from adaflash_jax.train.optimizer import OptimizerConfig, decay_mask, make_schedule, path_labels
+from adaflash_jax.train.optimizer import OptimizerConfig, adamw, make_schedule, path_labels
 from adaflash_jax.train.state import TrainState, batch_sharding
 
-# optax >= 0.2.6 moved the global norm to optax.tree.norm (the old name warns).
-_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 KINDS = ("stage1", "head_init", "stage2")
+GROUPS = ("drafter", "head", "accept")  # optimizer groups (learning rate, decay)
 BATCH_KEYS = ("tokens", "loss_mask", "anchors", "valid")
 # Stage-2 loss weights ride in the batch as replicated scalars, so methods that differ only
 # in weights (AdaFlash α = 0.8, `sft` α = 1) share one compiled program.
@@ -49,41 +50,62 @@ class StepSpec:
     gamma: float
     feature_layers: tuple[int, ...]
     divergence: str = "rkl"  # stage 2 only: rkl | fkl (the clipped KL term's direction)
+    loss_chunk: int = 0  # blocks per loss chunk (0: all at once); see losses.position_stats
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}; choose from {KINDS}")
-        if self.divergence not in ("rkl", "fkl"):
+        if self.divergence not in losses.DIVERGENCES:
             raise ValueError(f"unknown divergence {self.divergence!r}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
 
 
 # ---- optimizer -------------------------------------------------------------------------------
 def param_group(path: str) -> str:
+    """ "accept" (the optional acceptance network), "head" (the reference thresh head) or
+    "drafter"."""
+    if path.startswith("length_head/accept"):
+        return "accept"
     return "head" if path.startswith("length_head") else "drafter"
 
 
+def clip_part(path: str) -> str:
+    """The reference clips its draft model (drafter + thresh head) with ONE global norm; our
+    acceptance network is no part of it and is clipped on its own, so its gradients can never
+    shrink the drafter's step."""
+    return "accept" if param_group(path) == "accept" else "draft_model"
+
+
 def make_optimizer(
-    groups: Mapping[str, OptimizerConfig | None], *, clip_norm: float
+    groups: Mapping[str, OptimizerConfig | None], *, clip_norm: float | None
 ) -> tuple[optax.GradientTransformation, dict[str, optax.Schedule]]:
-    """AdamW per group ("drafter", "head"); a None group is frozen. One global-norm clip
-    over all parameters runs before the split (DESIGN §4.2)."""
+    """AdamW per group of `GROUPS` (a missing or None group is frozen: zero updates, so weight
+    decay cannot touch it), after a global-norm clip at `clip_norm` per `clip_part` (None:
+    no clip)."""
     transforms, schedules = {}, {}
-    for name in ("drafter", "head"):
+    for name in GROUPS:
         cfg = groups.get(name)
         if cfg is None:
             transforms[name] = optax.set_to_zero()
             continue
         schedules[name] = make_schedule(cfg)
-        transforms[name] = optax.adamw(
-            schedules[name],
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        )
+        transforms[name] = adamw(cfg, schedules[name])
     tx = optax.multi_transform(transforms, path_labels(param_group))
-    return optax.chain(optax.clip_by_global_norm(clip_norm), tx), schedules
+    if clip_norm is None:
+        return tx, schedules
+    clip = optax.clip_by_global_norm(clip_norm)
+    clips = optax.multi_transform({"draft_model": clip, "accept": clip}, path_labels(clip_part))
+    return optax.chain(clips, tx), schedules
+
+
+def clip_part_norms(grads) -> dict[str, jax.Array]:
+    """Global gradient norm of each clip part (what the clip compares with its threshold)."""
+    labels = path_labels(clip_part)(grads)
+    sq = {"draft_model": jnp.float32(0.0), "accept": jnp.float32(0.0)}
+    for label, g in zip(jax.tree.leaves(labels), jax.tree.leaves(grads), strict=True):
+        sq[label] = sq[label] + jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return {k: jnp.sqrt(v) for k, v in sq.items()}
 
 
 # ---- the frozen target -----------------------------------------------------------------------
@@ -93,29 +115,29 @@ def _teacher(target_graphdef, frozen, tokens_BxS, feature_layers):
     return target, out.features_BxTxnD, out.hidden_BxTxD
 
 
-def _teacher_logits(target, hidden_BxSxD, teacher_pos_BxNxP):
-    """Target logits at ℓ − 1 for each label position ℓ → [B, N, P, V] (float32)."""
+def _teacher_hidden(hidden_BxSxD, teacher_pos_BxNxP):
+    """The target's final states at ℓ − 1 for each label position ℓ → [B, N, P, D]."""
     b, n, p = teacher_pos_BxNxP.shape
-    h_BxNPxD = jnp.take_along_axis(hidden_BxSxD, teacher_pos_BxNxP.reshape(b, n * p, 1), axis=1)
-    logits = target.logits(h_BxNPxD).astype(jnp.float32)
-    return logits.reshape(b, n, p, -1)
+    flat = teacher_pos_BxNxP.reshape(b, n * p, 1)
+    return jnp.take_along_axis(hidden_BxSxD, flat, axis=1).reshape(b, n, p, -1)
 
 
-def _head_loss(drafter, hidden_BxNxKxD, logits_BxNxPxV, best_BxNxP, mask_BxNxP, valid_BxN, k):
+def _head_loss(drafter, hidden_BxNxKxD, stats, labels_BxNxP, mask_BxNxP, valid_BxN, k):
     """Length-head loss on DETACHED drafter outputs: r's MSE, plus the acceptance output's BCE
-    against greedy matches when the head has one. Returns (loss, metrics, accepted_BxN)."""
+    when the head has one. A block's label is the greedy streak of the drafter's argmax
+    against the sequence's own tokens (the reference's). Returns (loss, metrics, accepted)."""
     b, n, _, d = hidden_BxNxKxD.shape
     hidden = jax.lax.stop_gradient(hidden_BxNxKxD).reshape(b * n, k, d)
-    draft_BxNxP = jnp.argmax(logits_BxNxPxV, axis=-1)
-    accepted_BxN = losses.accepted_streak(draft_BxNxP, best_BxNxP, mask_BxNxP)
+    accepted_BxN = losses.accepted_streak(stats.draft, labels_BxNxP, mask_BxNxP)
     r_BxN = drafter.length_head(hidden).reshape(b, n)
     mse, mae = losses.length_head_loss(r_BxN, accepted_BxN, valid_BxN, k)
     aux = {"head_mse": mse, "head_mae": mae}
     if not drafter.length_head.has_accept_output:
         return mse, aux, accepted_BxN
-    logits = jax.lax.stop_gradient(logits_BxNxPxV).reshape(b * n, k - 1, -1)
-    z_BxNxP = drafter.length_head.accept_logits(hidden, logits).reshape(b, n, k - 1)
-    bce, parts = losses.accept_head_loss(z_BxNxP, draft_BxNxP == best_BxNxP, mask_BxNxP)
+    z_BxNxP = drafter.length_head.accept_logits_from_features(
+        hidden, stats.max_logprob.reshape(b * n, k - 1), stats.entropy.reshape(b * n, k - 1)
+    ).reshape(b, n, k - 1)
+    bce, parts = losses.accept_head_loss(z_BxNxP, stats.draft == labels_BxNxP, mask_BxNxP)
     aux.update(accept_bce=bce, **parts)
     return mse + bce, aux, accepted_BxN
 
@@ -142,60 +164,70 @@ def make_step(
         head_DxV = jax.lax.stop_gradient(target.lm_head_DxV())
         labels_BxNxP, mask_BxNxP, tpos_BxNxP = block_targets(tokens, loss_mask, anchors, valid, k)
         weights_BxNxP = losses.position_weights(mask_BxNxP, spec.gamma)
-        teacher_BxNxPxV = None
-        if spec.kind != "stage1":
-            teacher_BxNxPxV = jax.lax.stop_gradient(
-                _teacher_logits(target, t_hidden_BxSxD, tpos_BxNxP)
-            )
-            best_BxNxP = jnp.argmax(teacher_BxNxPxV, axis=-1)
+        teacher_BxNxPxD = None
+        if spec.kind == "stage2":
+            teacher_BxNxPxD = jax.lax.stop_gradient(_teacher_hidden(t_hidden_BxSxD, tpos_BxNxP))
 
         def student(params):
             drafter = nnx.merge(drafter_graphdef, params)
             hidden = drafter.train_hidden(feats_BxSxnD, tokens, anchors, valid, emb_VxD)
-            return drafter, hidden, drafter.logits(hidden[:, :, 1:], head_DxV)
+            stats = losses.position_stats(
+                hidden[:, :, 1:],
+                head_DxV,
+                labels_BxNxP,
+                teacher_BxNxPxD,
+                temperature=batch["temperature"] if spec.kind == "stage2" else 1.0,
+                divergence=spec.divergence,
+                chunk=spec.loss_chunk,
+                dtype=drafter.dtype,
+            )
+            return drafter, hidden, stats
+
+        def head_loss(drafter, hidden, stats):
+            return _head_loss(drafter, hidden, stats, labels_BxNxP, mask_BxNxP, valid, k)
 
         if spec.kind == "head_init":
             # The drafter is frozen too: its forward stays outside value_and_grad.
-            _, hidden, logits = student(jax.lax.stop_gradient(state.params))
+            _, hidden, stats = student(jax.lax.stop_gradient(state.params))
 
             def loss_fn(params):
-                drafter = nnx.merge(drafter_graphdef, params)
-                loss, aux, _ = _head_loss(drafter, hidden, logits, best_BxNxP, mask_BxNxP, valid, k)
+                loss, aux, _ = head_loss(nnx.merge(drafter_graphdef, params), hidden, stats)
                 return loss, aux
+
+        elif spec.kind == "stage1":
+
+            def loss_fn(params):
+                _, _, stats = student(params)
+                loss = losses.decayed_ce(stats.ce, weights_BxNxP)
+                return loss, {
+                    "ce": loss,
+                    "ce_acc": losses.accuracy(stats.draft, labels_BxNxP, mask_BxNxP),
+                }
 
         else:
 
             def loss_fn(params):
-                drafter, hidden, logits = student(params)
-                aux = {}
-                if spec.kind == "stage1":
-                    loss = losses.decayed_ce(logits, labels_BxNxP, weights_BxNxP)
-                    aux["ce"] = loss
-                    aux["ce_acc"] = losses.accuracy(logits, labels_BxNxP, mask_BxNxP)
-                    return loss, aux
+                drafter, hidden, stats = student(params)
                 loss, parts = losses.distill_loss(
-                    logits,
-                    teacher_BxNxPxV,
+                    stats.ce,
+                    stats.kl,
                     weights_BxNxP,
                     objective=spec.divergence,
                     alpha=batch["alpha"],
                     tau=batch["tau"],
-                    temperature=batch["temperature"],
                 )
-                head_loss, head_aux, accepted = _head_loss(
-                    drafter, hidden, logits, best_BxNxP, mask_BxNxP, valid, k
-                )
-                aux.update(parts)
-                aux["drafter_loss"] = loss
-                aux["ce_acc"] = losses.accuracy(logits, best_BxNxP, mask_BxNxP)
-                aux.update(head_aux)
+                h_loss, h_aux, accepted = head_loss(drafter, hidden, stats)
+                aux = {**parts, **h_aux, "drafter_loss": loss}
+                aux["ce_acc"] = losses.accuracy(stats.draft, stats.labels, mask_BxNxP)
                 aux["accepted_mean"] = jnp.sum(accepted * valid) / jnp.maximum(valid.sum(), 1)
-                return loss + head_loss, aux
+                return loss + h_loss, aux
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
+        norms = clip_part_norms(grads)
+        metrics = {"loss": loss, "grad_norm": norms["draft_model"], **aux}
+        metrics["accept_grad_norm"] = norms["accept"]
         for name, schedule in (schedules or {}).items():
             metrics[f"lr_{name}"] = schedule(state.step)
         metrics["label_tokens"] = jnp.sum(mask_BxNxP)

@@ -54,16 +54,19 @@ class AcceptNet(nnx.Module):
             jnp.zeros((positions,), jnp.float32), logical_axes=("accept_pos",)
         )
 
-    def __call__(self, hidden_BxKxD, logits_BxPxV) -> jax.Array:
+    def __call__(self, hidden_BxKxD, max_lp_BxP, ent_BxP) -> jax.Array:
+        """Logits z_i from the block states and the drafter's confidence features of draft
+        positions 1..K−1 (`confidence_features` of its logits) → [B, K−1]."""
         b, k, _ = hidden_BxKxD.shape
         p = k - 1
-        if logits_BxPxV.shape[:2] != (b, p):
+        if max_lp_BxP.shape != (b, p) or ent_BxP.shape != (b, p):
             raise ValueError(
-                f"accept head: logits {logits_BxPxV.shape} do not cover the K−1 = {p} draft "
+                f"accept head: features {max_lp_BxP.shape} do not cover the K−1 = {p} draft "
                 f"positions of hidden {hidden_BxKxD.shape}"
             )
         h_BxPxD = jax.lax.stop_gradient(hidden_BxKxD[:, 1:].astype(jnp.float32))
-        max_lp_BxP, ent_BxP = confidence_features(jax.lax.stop_gradient(logits_BxPxV))
+        max_lp_BxP = jax.lax.stop_gradient(max_lp_BxP.astype(jnp.float32))
+        ent_BxP = jax.lax.stop_gradient(ent_BxP.astype(jnp.float32))
         f_BxPxF = jnp.concatenate([h_BxPxD, max_lp_BxP[..., None], ent_BxP[..., None]], axis=-1)
         z_BxP = self.proj_out(jax.nn.silu(self.proj_in(f_BxPxF)))[..., 0]
         trained = self.position_bias[...].shape[0]
@@ -99,9 +102,22 @@ class LengthHead(nnx.Module):
 
     def accept_logits(self, hidden_BxKxD, logits_BxKm1xV) -> jax.Array:
         """Logit of a_i for draft positions 1..K−1 → float32 [B, K−1] (train on these)."""
+        b, p = hidden_BxKxD.shape[0], hidden_BxKxD.shape[1] - 1
+        if logits_BxKm1xV.shape[:2] != (b, p):
+            raise ValueError(
+                f"accept head: logits {logits_BxKm1xV.shape} do not cover the K−1 = {p} draft "
+                f"positions of hidden {hidden_BxKxD.shape}"
+            )
+        return self.accept_logits_from_features(
+            hidden_BxKxD, *confidence_features(jax.lax.stop_gradient(logits_BxKm1xV))
+        )
+
+    def accept_logits_from_features(self, hidden_BxKxD, max_lp_BxP, ent_BxP) -> jax.Array:
+        """`accept_logits` from precomputed confidence features (training computes them per
+        chunk of blocks, never holding every block's logits)."""
         if self.accept is None:
             raise ValueError("this length head has no acceptance output (accept_dim = 0)")
-        return self.accept(hidden_BxKxD, logits_BxKm1xV)
+        return self.accept(hidden_BxKxD, max_lp_BxP, ent_BxP)
 
     def accept_probs(self, hidden_BxKxD, logits_BxKm1xV) -> jax.Array:
         """a_i = P(draft i accepted | drafts < i accepted) → float32 [B, K−1] in (0, 1).

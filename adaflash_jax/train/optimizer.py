@@ -5,7 +5,8 @@ own AdamW (learning rate, schedule, decay) via `optax.multi_transform`, with ONE
 clip over all trainable parameters before the split (DESIGN §4.2: clip 1.0 over everything;
 drafter and length head at different constant learning rates).
 
-Weight decay skips 1-D parameters (norm scales, biases), the usual choice for transformers.
+Weight decay skips 1-D parameters (norm scales, biases), the usual choice for transformers,
+unless `decay_all` (torch's AdamW decays every parameter; the AdaFlash reference uses it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0  # global-norm clip; None disables
+    decay_all: bool = False  # weight decay on 1-D parameters (norms, biases) too
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -73,15 +75,17 @@ def decay_mask(params):
     return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
-def _adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW with `cfg`'s moments and decay (no clip: callers chain their own)."""
+    mask = None if cfg.decay_all else decay_mask
     return optax.adamw(
-        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
     )
 
 
 def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg)
-    tx = _adamw(cfg, schedule)
+    tx = adamw(cfg, schedule)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     return tx, schedule
@@ -111,7 +115,7 @@ def make_grouped_optimizer(
     if not groups:
         raise ValueError("make_grouped_optimizer needs at least one group")
     schedules = {name: make_schedule(cfg) for name, cfg in groups.items()}
-    transforms = {name: _adamw(cfg, schedules[name]) for name, cfg in groups.items()}
+    transforms = {name: adamw(cfg, schedules[name]) for name, cfg in groups.items()}
 
     def checked_label(path: str) -> str:
         group = label_fn(path)

@@ -1,10 +1,21 @@
 """The reference AdaFlash recipe for Qwen3-8B on a Cloud TPU v5p slice (DESIGN §3, §4).
 
 Drafter: 5 Qwen3 layers as wide as the target, block 16 (γ = 7), features from target layers
-[1, 9, 17, 25, 33]. Stage 1 (DFlash): AdamW lr 6e-4, cosine, 4% warm-up, clip 1.0. Stage 2
-(AdaFlash): constant lr 3e-4 (drafter) / 2e-4 (length head), weight decay 0.01, clip 1.0,
-α 0.8, τ 0.01, T 1. The reference run starts stage 2 from a published DFlash drafter:
-`--init-drafter DIR` (stage 1 is then skipped; the length head starts fresh).
+[1, 9, 17, 25, 33], no acceptance network (not part of the reference; `--set
+draft.accept_dim=64` adds one). Stage 1 (DFlash): AdamW lr 6e-4, cosine, 4% warm-up, clip
+1.0. Head init (the reference's offline init): lr 5e-5, AdamW β (0.9, 0.999), decay 0.01 on
+every parameter, 64 anchors per sequence over the whole sequence, no clip. Stage 2
+(AdaFlash): anchors uniform over each response, fresh prompts every round, constant lr 3e-4
+(drafter) / 2e-4 (length head), AdamW β (0.9, 0.999), decay 0.01 on every parameter, one clip
+1.0 over drafter + head, α 0.8, τ 0.01, T 1. Each round collects 2,560 new prompts and trains
+80 steps of 64 sequences on them: 2 epochs per buffer, as the reference (128 samples per
+round at a global batch of 4, `TRAIN_BUFFER_EPOCHS=2`); 10 rounds see 25,600 prompts. The
+reference run starts stage 2 from a published DFlash drafter: `--init-drafter DIR` (stage 1
+is then skipped; the length head starts fresh).
+
+The KL clip in nats (losses.py): τ·Nw per sequence, Nw = Σ decay weights of its blocks
+(6.63 per full K = 16 block). At 64 anchors a full sequence caps a position's KL at 4.2 nats;
+the reference's 512 anchors give 34 nats (a response with 185 admissible anchors: 12).
 
 Mesh: weights FSDP-sharded over 8 chips, the rest data parallel (-1 fills: a v5p-64 slice
 has 32 chips → (4, 8, 1)). Check a slice with
@@ -49,13 +60,14 @@ def get_config() -> RunConfig:
             block_size=16,
             target_layer_ids=(1, 9, 17, 25, 33),
             mask_token_id=151669,  # first spare row of Qwen3's padded 151936-row table
+            accept_dim=0,
         ),
         stage1=Stage1Spec(steps=20_000, lr=6e-4, warmup_fraction=0.04, weight_decay=0.01),
-        head_init=HeadInitSpec(steps=1000, lr=1e-3),
+        head_init=HeadInitSpec(steps=1000, lr=5e-5, num_anchors=64, anchors="sequence"),
         stage2=Stage2Spec(
             rounds=10,
-            steps_per_round=500,
-            prompts_per_round=2048,
+            steps_per_round=80,
+            prompts_per_round=2560,
             lr=3e-4,
             head_lr=2e-4,
             alpha=0.8,
