@@ -176,15 +176,20 @@ def test_init_from_plain_dflash_export(micro, capsys):
     args = ["--config", config, "--run-dir", run_dir, "--init-drafter", dflash_dir]
     # the import has no acceptance network: it gets a fresh one of the run's width
     flags = ["--rounds", "1", "--set", "draft.accept_dim=8", "--no-progress"]
-    flags += ["--set", "stage2.methods=('adaflash', 'sft')"]  # stage1_long needs stage 1
+    methods = ["--set", "stage2.methods=('adaflash', 'sft')"]  # stage1_long needs stage 1
+    flags += methods
+    flags += ["--set", "stage2.collector='engine'"]  # the fresh pool through the engine
     assert cli.main([*args, *flags]) == 0
     assert not os.path.exists(os.path.join(run_dir, "ckpt", "stage1"))
+    collected = SequenceData.load(os.path.join(run_dir, "stage2", "adaflash", "round0"))
+    assert len(collected) == 8 and collected.visited is not None  # decoded by the engine
+    assert not os.path.exists(os.path.join(run_dir, "data", "stage2"))  # nothing regenerated
     out = load_drafter(os.path.join(run_dir, "export", "adaflash"))
     assert out.length_head is not None and out.config.length_head.accept_dim == 8
     # a trained acceptance network keeps its width: another width is refused before compute
     again = str(root / "run_again")
     args = ["--config", config, "--run-dir", again, "--init-drafter", run_dir + "/export/adaflash"]
-    assert cli.main([*args, *flags[-2:], "--set", "draft.accept_dim=16", "--no-progress"]) == 2
+    assert cli.main([*args, *methods, "--set", "draft.accept_dim=16", "--no-progress"]) == 2
     assert "draft.accept_dim=8" in capsys.readouterr().err and not os.path.exists(again)
     # stage 1 was skipped: the "stage1" export is the import plus its initialised head
     stage1 = load_drafter(os.path.join(run_dir, "export", "stage1"))
