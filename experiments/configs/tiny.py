@@ -16,8 +16,9 @@ Measured at τ = 0.1 (cap 2.8 nats): 25 % of positions clipped, the KL term most
 
 Length-head init: the reference's optimizer and anchors (AdamW β (0.9, 0.999), decay 0.01
 on every parameter, 64 anchors over the whole sequence) but lr 1e-3 instead of 5e-5: 40 steps
-are not the reference's two epochs over a large dataset (measured in HeadInitSpec terms below;
-`--set head_init.lr=5e-5` restores the reference value).
+are not the reference's two epochs over a large dataset. Measured (one seed, same stage-1
+drafter, head MSE of the last logged batch): 0.085 at the first step, 0.040 after 40 steps at
+lr 1e-3, 0.054 at lr 5e-5. `--set head_init.lr=5e-5` restores the reference value.
 """
 
 from adaflash_jax.distill.config import (
