@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -67,7 +68,7 @@ def mask_token_candidates(target_dir: str | os.PathLike, vocab_size: int) -> str
 
 
 def _ids(ids) -> str:
-    return ", ".join(str(i) for i in list(ids)[:NUM_CANDIDATES])
+    return ", ".join(str(i) for i in itertools.islice(ids, NUM_CANDIDATES))
 
 
 def drafter_for_target(
