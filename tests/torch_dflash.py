@@ -13,6 +13,7 @@ each key's own position; the context skips `input_layernorm` and the MLP. The bl
 bidirectionally to itself and to every context token. The final-normed block states go to
 the TARGET's LM head (positions 1..K−1) and to the two-model thresh head (all K positions).
 
+RoPE here is the plain rotate-half form (no scaling), as the Qwen3-style test exports use.
 It is a `transformers.PreTrainedModel` with the export's tensor names, so `from_pretrained`
 reads an export and `save_pretrained` re-saves it the way PyTorch users do.
 """
