@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from adaflash_jax.drafter.checkpoint import save_drafter
 from adaflash_jax.drafter.init import drafter_for_target
+from adaflash_jax.model.config import ConfigError
 
 
 def main(argv=None) -> None:
@@ -26,17 +27,23 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    ids = tuple(int(x) for x in a.target_layer_ids.split(",")) if a.target_layer_ids else None
-    drafter = drafter_for_target(
-        a.target,
-        num_layers=a.layers,
-        block_size=a.block_size,
-        num_features=a.num_features,
-        target_layer_ids=ids,
-        mask_token_id=a.mask_token_id,
-        length_head=not a.no_length_head,
-        seed=a.seed,
-    )
+    try:
+        ids = tuple(int(x) for x in a.target_layer_ids.split(",")) if a.target_layer_ids else None
+    except ValueError:
+        p.error(f"--target-layer-ids must be a comma list of integers, got {a.target_layer_ids!r}")
+    try:
+        drafter = drafter_for_target(
+            a.target,
+            num_layers=a.layers,
+            block_size=a.block_size,
+            num_features=a.num_features,
+            target_layer_ids=ids,
+            mask_token_id=a.mask_token_id,
+            length_head=not a.no_length_head,
+            seed=a.seed,
+        )
+    except (ConfigError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
     save_drafter(drafter, a.out, dtype=getattr(jnp, a.dtype))
     cfg = drafter.config
     print(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,13 +10,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.drafter.checkpoint import HEAD_PREFIX, load_drafter, save_drafter
+from adaflash_jax.drafter.checkpoint import (
+    HEAD_PREFIX,
+    config_from_hf,
+    load_drafter,
+    save_drafter,
+)
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, save_target
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
+from adaflash_jax.tokenizer import write_byte_tokenizer
 from experiments import init_drafter
 
 TARGET = TargetConfig(
@@ -73,10 +80,67 @@ def test_export_layout_names_and_config(tmp_path):
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
     assert cfg["dflash_config"]["use_thresh_head_two_model"] is True
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4]
+    # what serving stacks read without defaults of their own, and current transformers' dtype
+    assert cfg["layer_types"] == ["full_attention"] * 2
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
+    assert cfg["num_target_layers"] == 6
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     # bf16 export reloads to the bf16-rounded weights exactly
     loaded = load_drafter(tmp_path)
     want = np.asarray(_drafter().fc.kernel[...]).astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(loaded.fc.kernel[...]), want)
+
+
+def test_config_dtype_names_the_stored_dtype(tmp_path):
+    save_drafter(_drafter(), tmp_path, dtype=None)  # float32 parameters, kept as they are
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "float32"
+    assert str(SafetensorsFile(tmp_path / "model.safetensors").dtype("fc.weight")) == "float32"
+
+
+def test_missing_target_layer_ids_take_the_format_default(tmp_path):
+    """DFlash's rule: one target layer per drafter layer, spread as DESIGN §2 says."""
+    published = {
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 500},
+        "num_target_layers": 36,
+        "num_hidden_layers": 5,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "vocab_size": 512,
+    }
+    assert config_from_hf(published).target_layer_ids == (1, 9, 17, 25, 33)
+    assert config_from_hf({**published, "num_hidden_layers": 1}).target_layer_ids == (18,)
+    with pytest.raises(ValueError, match="target_layer_ids.*num_target_layers"):
+        config_from_hf({k: v for k, v in published.items() if k != "num_target_layers"})
+    # an export whose layers are the default loads the same without the key
+    cfg = DrafterConfig.for_target(
+        TARGET, mask_token_id=63, num_layers=3, block_size=4, num_features=3, length_head=False
+    )
+    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0)), tmp_path, dtype=None)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_drafter(tmp_path).config == cfg and cfg.target_layer_ids == (1, 2, 3)
+
+
+def test_declared_head_without_its_tensors_is_refused(tmp_path):
+    save_drafter(_drafter(), tmp_path / "ok", dtype=None)
+    f = SafetensorsFile(tmp_path / "ok" / "model.safetensors")
+    os.makedirs(tmp_path / "stripped")
+    save_file(
+        {k: np.asarray(f.get(k)) for k in f.keys() if not k.startswith(HEAD_PREFIX)},
+        tmp_path / "stripped" / "model.safetensors",
+    )
+    raw = json.loads((tmp_path / "ok" / "config.json").read_text())
+    (tmp_path / "stripped" / "config.json").write_text(json.dumps(raw))
+    for kw in ({}, {"with_length_head": True}):
+        with pytest.raises(CheckpointError, match=r"declares a length head.*down\.weight") as e:
+            load_drafter(tmp_path / "stripped", **kw)
+        assert "\n" not in str(e.value)
+    # asked for no head, it loads as a plain DFlash drafter
+    assert load_drafter(tmp_path / "stripped", with_length_head=False).length_head is None
 
 
 def test_imports_published_dflash_checkpoint_without_head(tmp_path):
@@ -196,5 +260,34 @@ def test_init_drafter_cli(tmp_path):
     d = load_drafter(tmp_path / "d")
     assert d.config.block_size == 8 and d.config.target_layer_ids == (1, 2, 3)
     assert d.config.num_hidden_layers == 2 and d.length_head is not None
-    with pytest.raises(ValueError, match="mask token"):
+    # no tokenizer: the last rows are the candidates
+    with pytest.raises(SystemExit, match=r"pass --mask-token-id ID.*last rows, e.g. 63, 62, 61"):
         init_drafter.main(["--target", str(tmp_path / "target"), "--out", str(tmp_path / "e")])
+
+
+@pytest.mark.parametrize(
+    "specials, vocab_extra, match",
+    [
+        # every row is a token; placeholder specials are the candidates
+        (
+            ("<|endoftext|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>"),
+            0,
+            r"unused special token, e.g. 257 '<\|reserved_special_token_0\|>', 258 ",
+        ),
+        (("<|endoftext|>", "<|im_end|>"), 0, r"last rows, e.g. 257, 256, 255, 254"),
+        # rows past the tokenizer's ids (DFlash's choice for Qwen3) come first
+        (("<|endoftext|>",), 3, r"spare row \(257\.\.259\), e\.g\. 257, 258, 259"),
+    ],
+)
+def test_init_drafter_without_mask_token_names_the_flag_and_candidates(
+    tmp_path, capsys, specials, vocab_extra, match
+):
+    vocab = write_byte_tokenizer(tmp_path / "target", special_tokens=specials)
+    cfg = dict(TARGET.__dict__, vocab_size=vocab + vocab_extra)
+    save_target(TargetLM(TargetConfig(**cfg), rngs=nnx.Rngs(0)), tmp_path / "target")
+    with pytest.raises(SystemExit) as e:
+        init_drafter.main(["--target", str(tmp_path / "target"), "--out", str(tmp_path / "d")])
+    msg = str(e.value)
+    assert msg.startswith("error: ") and "\n" not in msg and "pass --mask-token-id ID" in msg
+    assert re.search(match, msg), msg
+    assert not (tmp_path / "d").exists()

@@ -177,9 +177,12 @@ def test_checkpoints_logs_and_export(runs):
     a = SafetensorsFile(os.path.join(ref_dir, "export", "model.safetensors"))
     b = SafetensorsFile(os.path.join(run_dir, "export", "model.safetensors"))
     assert sorted(a.keys()) == sorted(b.keys())
-    for name in a.keys():  # exported in bfloat16: allow a rounding flip
+    # Exported in bfloat16: allow a rounding flip. Adam scales each element's step to about
+    # lr (3e-3) whatever its gradient, so an element whose gradient is near zero moves by
+    # reduction-order noise times up to lr: allow 1e-4 absolute (parameters are ~2e-2).
+    for name in a.keys():
         x, y = (np.asarray(f.get(name), np.float32) for f in (a, b))
-        np.testing.assert_allclose(y, x, rtol=1e-2, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(y, x, rtol=1e-2, atol=1e-4, err_msg=name)
 
 
 PIPELINE_CONFIG = """

@@ -15,13 +15,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from adaflash_jax.decode.generate import generate  # noqa: E402
+from adaflash_jax.decode.verify import verify_forward  # noqa: E402
 from adaflash_jax.model.checkpoint import load_target  # noqa: E402
 from adaflash_jax.model.config import TargetConfig  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
 
 V = 256
-# Three layers, so requested layers 0 and 1 are plain layer outputs: HF's LAST hidden_states
-# entry is after the final norm (that one is compared with our hidden_BxTxD instead).
+# Three layers: layers 0 and 1 are plain layer outputs; HF's LAST hidden_states entry is after
+# the final norm, and so is our feature of layer 2 (DESIGN §2).
 COMMON = dict(
     vocab_size=V,
     hidden_size=64,
@@ -114,6 +115,26 @@ def test_logits_and_hidden_states_match_transformers(hf_dirs, tokens, variant):
     np.testing.assert_allclose(feats[..., :d], hf_hidden[2], atol=1e-4, rtol=0)  # layer 1
     np.testing.assert_allclose(feats[..., d:], hf_hidden[1], atol=1e-4, rtol=0)  # layer 0
     np.testing.assert_allclose(np.asarray(out.hidden_BxTxD), hf_hidden[3], atol=1e-4, rtol=0)
+
+
+def test_last_layer_feature_is_hf_last_hidden_state_in_forward_and_verify(hf_dirs, tokens):
+    """Layer L−1's feature == HF hidden_states[L] (post final norm), from the plain forward,
+    a cached prefill, and the engine's verify forward over the tokens after that prefill."""
+    hf_model, path = hf_dirs["qwen3_untied"]
+    ours = load_target(path, dtype=jnp.float32)
+    _, hf_hidden = _hf_forward(hf_model, tokens)
+    want = np.concatenate([hf_hidden[3], hf_hidden[1]], axis=-1)  # layers (2, 0)
+    assert np.abs(hf_hidden[3] - hf_hidden[2]).max() > 0.5  # post-norm differs from pre-norm
+    layers = (2, 0)
+    plain = ours(jnp.asarray(tokens), feature_layers=layers).features_BxTxnD
+    np.testing.assert_allclose(np.asarray(plain), want, atol=1e-4, rtol=0)
+    p = 7  # prefill p tokens into the cache, then verify the rest without writing it
+    prefill = ours(jnp.asarray(tokens[:, :p]), cache=ours.init_cache(2, 16), feature_layers=layers)
+    np.testing.assert_allclose(np.asarray(prefill.features_BxTxnD), want[:, :p], atol=1e-4)
+    logits, feats, _, _ = verify_forward(ours, jnp.asarray(tokens[:, p:]), prefill.cache, layers)
+    np.testing.assert_allclose(np.asarray(feats), want[:, p:], atol=1e-4, rtol=0)
+    hf_logits, _ = _hf_forward(hf_model, tokens)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits[:, p:], atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode import step_cost
 from adaflash_jax.decode.policies import FixedPolicy, PolicyError, make_policy
 from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 NO_LIMIT = 2**30
@@ -49,7 +50,10 @@ class Result:
 
 NO_ACCEPT_OUTPUT = (
     "the policy reads per-position acceptance from the length head (estimator 'head'), but "
-    "this drafter's head has no accept_probs output (train it with draft.accept_dim > 0)"
+    "this drafter has no accept_probs output: its acceptance part "
+    f"({ACCEPT_FILE}) is missing, e.g. after a transformers "
+    "save_pretrained, or was never trained (draft.accept_dim = 0). Re-attach it with "
+    "`python -m experiments.export RUN --out DIR` from the run's checkpoint"
 )
 
 

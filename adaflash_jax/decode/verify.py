@@ -75,7 +75,7 @@ def verify_forward(target, tokens_BxW, cache: KVCache, feature_layers: Sequence[
         x = x + attn.output(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in feature_layers:
-            features[i] = x
+            features[i] = target.feature(i, x)
     feats = (
         jnp.concatenate([features[i] for i in feature_layers], axis=-1) if feature_layers else None
     )

@@ -8,7 +8,16 @@ The length head's optional per-position acceptance network is an optional part i
 subdirectory, `adaflash_extra/accept_head.safetensors` (float32, `accept_head.*`), so serving
 stacks that glob the top-level `*.safetensors` never see it. `dflash_config.adaflash_accept_head`
 names the part (file, width, positions, feature order); unknown dflash_config keys are
-ignored by serving stacks. Without that key (or the file) an export is a DFlash(+r) drafter.
+ignored by serving stacks. Without that key an export is a DFlash(+r) drafter; with the key
+but without the file (e.g. re-saved by transformers' `save_pretrained`, which copies the
+config but not the extra file) it loads as one too, with a warning: only what reads the
+acceptance output (goodput's `head` estimator) refuses it.
+
+config.json carries the keys serving stacks read without defaults of their own: every
+drafter layer is full attention (`layer_types`, `use_sliding_window`, `sliding_window`),
+`num_target_layers`, and the weights' dtype both as `dtype` (what transformers ≥ 4.56 reads
+and writes) and as `torch_dtype` (what older readers look up; transformers reads it silently
+and prefers `dtype`).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +37,10 @@ from adaflash_jax.drafter.length_head import ACCEPT_FEATURES
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError
-from adaflash_jax.model.config import ConfigError, RopeScaling
+from adaflash_jax.model.config import ConfigError, RopeScaling, default_feature_layers
 
 HEAD_PREFIX = "thresh_head_two_model."
+HEAD_PARTS = ("down", "res.0", "out")  # LengthHead's down, res and out (DESIGN §4.3)
 ACCEPT_PREFIX = "accept_head."
 ACCEPT_FILE = "adaflash_extra/accept_head.safetensors"  # relative to the export directory
 ACCEPT_KEY = "adaflash_accept_head"  # in config.json's dflash_config
@@ -60,7 +71,7 @@ def drafter_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, bool]
 def length_head_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, bool]]:
     head = drafter.length_head
     t = {}
-    for export, dense in (("down", head.down), ("res.0", head.res), ("out", head.out)):
+    for export, dense in zip(HEAD_PARTS, (head.down, head.res, head.out), strict=True):
         t[f"{HEAD_PREFIX}{export}.weight"] = (dense.kernel, True)
         t[f"{HEAD_PREFIX}{export}.bias"] = (dense.bias, False)
     return t
@@ -93,13 +104,17 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
                 "positions": cfg.block_size - 1,
                 "features": list(ACCEPT_FEATURES),
             }
+    n_layers = cfg.num_hidden_layers
     out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "dflash_config": {"block_size": cfg.block_size, **dflash},
         "num_target_layers": cfg.num_target_layers,
-        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_hidden_layers": n_layers,
+        "layer_types": ["full_attention"] * n_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -113,6 +128,7 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "attention_bias": False,
+        "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
         # Older vLLM reads HF hidden_states indices (output of layer i is index i + 1).
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
@@ -155,8 +171,12 @@ def config_from_hf(
         block_size = int(raw.get("block_size", dflash.get("block_size")))
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
-        if layer_ids is None:
-            raise KeyError("dflash_config.target_layer_ids")
+        if layer_ids is None:  # the format's default: one target layer per drafter layer
+            if raw.get("num_target_layers") is None:
+                raise KeyError("dflash_config.target_layer_ids (or num_target_layers)")
+            layer_ids = default_feature_layers(
+                int(raw["num_target_layers"]), int(raw["num_hidden_layers"])
+            )
         if mask_token_id is None:
             raise KeyError("dflash_config.mask_token_id")
         n_heads = raw["num_attention_heads"]
@@ -243,8 +263,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat1
     elif os.path.exists(part):  # a stale part from an earlier export into this directory
         os.remove(part)
     cfg = config_to_hf(drafter.config)
-    if dtype is not None:
-        cfg["torch_dtype"] = np.dtype(dtype).name
+    cfg["dtype"] = cfg["torch_dtype"] = tensors["fc.weight"].dtype.name
     tmp = cfg_file + ".tmp"
     with open(tmp, "w") as f:
         json.dump(cfg, f, indent=2)
@@ -313,6 +332,10 @@ def open_export(
     False ignores its head. `accept_dim`: None follows the export (its acceptance part, or a
     fresh `fresh_accept_dim`-wide network when it has none); 0 ignores the part; > 0 asks for
     that width (fresh when the export has no part). The acceptance network needs the head.
+
+    A config that declares the reference head (`use_thresh_head_two_model`) without its
+    tensors is refused; a head is only ever fresh for an export that declares none. A part
+    the config names but the directory lacks counts as absent, with one warning.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -327,23 +350,38 @@ def open_export(
     main = SafetensorsFile(st_path)
     has_head = any(k.startswith(HEAD_PREFIX) for k in main.keys())
     dflash = raw.get("dflash_config") or {}
+    declared = bool(dflash.get("use_thresh_head_two_model", False))
     head = with_length_head
     if head is None:
-        head = has_head or bool(dflash.get("use_thresh_head_two_model", False))
+        head = has_head or declared
+    if head and declared and not has_head:  # a stripped or torn export: never a random head
+        names = [f"{HEAD_PREFIX}{p}.{w}" for p in HEAD_PARTS for w in ("weight", "bias")]
+        raise CheckpointError(
+            f"drafter {path}: config.json declares a length head "
+            f"(dflash_config.use_thresh_head_two_model), but model.safetensors lacks its "
+            f"tensors {names}; re-export it, or drop that key to load it as a plain DFlash "
+            "drafter"
+        )
     entry = _accept_entry(raw) if head else None
+    part_gone = entry is not None and not os.path.isfile(os.path.join(path, entry["file"]))
+    if part_gone and accept_dim != 0:
+        warnings.warn(
+            f"drafter {path}: config.json names the optional acceptance-head part "
+            f"{entry['file']!r}, which is missing (a transformers save_pretrained copies the "
+            "config but not that file); loading without it. Only goodput's 'head' estimator "
+            "needs it: re-attach it with `python -m experiments.export RUN --out DIR` from "
+            "the run's checkpoint",
+            UserWarning,
+            stacklevel=2,
+        )
+        entry = None
     if head and accept_dim is None and entry is None:
         accept_dim = fresh_accept_dim
     config = config_from_hf(raw, with_length_head=head, accept_dim=accept_dim)
     want_accept = config.length_head is not None and config.length_head.accept_dim > 0
     part = None
     if want_accept and entry is not None:
-        part_path = os.path.join(path, entry["file"])
-        if not os.path.isfile(part_path):
-            raise CheckpointError(
-                f"drafter {path}: config.json names the acceptance-head part "
-                f"{entry['file']!r}, but {part_path} does not exist"
-            )
-        part = SafetensorsFile(part_path)
+        part = SafetensorsFile(os.path.join(path, entry["file"]))
     return DrafterExport(
         path=path,
         config=config,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -12,6 +13,10 @@ from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
 MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+# Added special tokens whose names say they are placeholders (Llama 3's
+# <|reserved_special_token_N|>, Gemma's <unusedN>, T5's <extra_id_N>).
+UNUSED_TOKEN_HINTS = ("reserved", "unused", "extra_id")
+NUM_CANDIDATES = 4
 
 
 def find_mask_token_id(target_dir: str | os.PathLike) -> int | None:
@@ -37,6 +42,35 @@ def find_mask_token_id(target_dir: str | os.PathLike) -> int | None:
     return None
 
 
+def mask_token_candidates(target_dir: str | os.PathLike, vocab_size: int) -> str:
+    """A few ids that could serve as the mask token, described for an error message: rows
+    of the embedding table past every tokenizer id (DFlash's choice), else placeholder
+    special tokens, else the table's last rows."""
+    tok_path = os.path.join(os.fspath(target_dir), "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return "one of the last rows, e.g. " + _ids(range(vocab_size - 1, -1, -1))
+    with open(tok_path) as f:
+        tok = json.load(f)
+    added = tok.get("added_tokens", [])
+    vocab = (tok.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    used = max([*ids, *(t["id"] for t in added)], default=-1) + 1
+    if used < vocab_size:
+        return f"a spare row ({used}..{vocab_size - 1}), e.g. " + _ids(range(used, vocab_size))
+    unused = [
+        f"{t['id']} {t['content']!r}"
+        for t in added
+        if t.get("special") and any(h in t["content"].lower() for h in UNUSED_TOKEN_HINTS)
+    ]
+    if unused:
+        return "an unused special token, e.g. " + ", ".join(unused[:NUM_CANDIDATES])
+    return "one of the last rows, e.g. " + _ids(range(vocab_size - 1, -1, -1))
+
+
+def _ids(ids) -> str:
+    return ", ".join(str(i) for i in itertools.islice(ids, NUM_CANDIDATES))
+
+
 def drafter_for_target(
     target_dir: str | os.PathLike,
     *,
@@ -53,8 +87,8 @@ def drafter_for_target(
         mask_token_id = find_mask_token_id(target_dir)
     if mask_token_id is None:
         raise ConfigError(
-            f"the tokenizer in {target_dir} declares no mask token; pass mask_token_id "
-            "(a spare row of the target's embedding table)"
+            f"the tokenizer in {target_dir} declares no mask token: pass --mask-token-id ID "
+            f"with {mask_token_candidates(target_dir, target.vocab_size)}"
         )
     cfg = DrafterConfig.for_target(
         target,

@@ -88,14 +88,7 @@ class TargetConfig:
 
     def default_feature_layers(self, num_features: int) -> tuple[int, ...]:
         """DESIGN §2: the target layers whose outputs feed the drafter by default."""
-        n_layers = self.num_hidden_layers
-        if num_features <= 0:
-            raise ConfigError(f"num_features must be positive, got {num_features}")
-        if num_features == 1:
-            return (n_layers // 2,)
-        span = n_layers - 4
-        ids = tuple(int(round(1 + j * span / (num_features - 1))) for j in range(num_features))
-        return tuple(min(max(i, 0), n_layers - 1) for i in ids)
+        return default_feature_layers(self.num_hidden_layers, num_features)
 
     # ---- HuggingFace config.json -------------------------------------------------------
     @classmethod
@@ -185,6 +178,18 @@ class TargetConfig:
             eos = self.eos_token_id
             out["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
         return out
+
+
+def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:
+    """DESIGN §2's default feature layers of an `n_layers`-layer target: `n == 1 → [L//2]`,
+    else `round(1 + j·(L−4)/(n−1))`, clipped to the target's layers."""
+    if num_features <= 0:
+        raise ConfigError(f"num_features must be positive, got {num_features}")
+    if num_features == 1:
+        return (n_layers // 2,)
+    span = n_layers - 4
+    ids = tuple(int(round(1 + j * span / (num_features - 1))) for j in range(num_features))
+    return tuple(min(max(i, 0), n_layers - 1) for i in ids)
 
 
 def _read_rope(cfg: dict[str, Any], model_type: str) -> tuple[float, RopeScaling | None]:

@@ -33,7 +33,8 @@ from adaflash_jax.model.layers import (
 class TargetOutput:
     hidden_BxTxD: jax.Array  # after the final norm
     logits_BxTxV: jax.Array | None
-    features_BxTxnD: jax.Array | None  # chosen layer outputs, concatenated in request order
+    features_BxTxnD: jax.Array | None  # chosen layers' features (`TargetLM.feature`), in
+    # request order, concatenated
     cache: KVCache | None
 
 
@@ -131,6 +132,15 @@ class TargetLM(nnx.Module):
             return self.embed_tokens[...].T
         return self.lm_head.kernel[...]
 
+    def feature(self, layer: int, x_BxTxD):
+        """Decoder layer `layer`'s output `x_BxTxD` as the drafter's feature: HF
+        `hidden_states[layer + 1]` (DESIGN §2). HF's last entry is after the final norm, so
+        the last layer's feature is normed too. Every layer loop that returns features
+        (this forward and the engine's `verify_forward`) takes them from here."""
+        if layer == self.config.num_hidden_layers - 1:
+            return self.norm(x_BxTxD)
+        return x_BxTxD
+
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
 
@@ -195,7 +205,7 @@ class TargetLM(nnx.Module):
                 new_k.append(updated[0])
                 new_v.append(updated[1])
             if i in feature_layers:
-                features[i] = x
+                features[i] = self.feature(i, x)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
