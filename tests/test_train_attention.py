@@ -9,7 +9,12 @@ from flax import nnx
 from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.drafter.train_attention import NEG_INF, prefix_attention, train_attention
+from adaflash_jax.drafter.train_attention import (
+    NEG_INF,
+    flops_left_out,
+    prefix_attention,
+    train_attention,
+)
 from adaflash_jax.model.config import TargetConfig
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -115,6 +120,24 @@ def test_prefix_attention_out_lse_and_grads(remat):
     want_g = jax.jit(jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got_g, want_g):
         np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_flops_left_out_completes_the_compilers_count():
+    """The compiler counts one chunk of the loop; with what it leaves out, the total is the
+    analytic 14·B·T·S·H·Dh of forward + backward (elementwise work adds a little)."""
+    b, t, s, h, kv, dh, chunk = 1, 128, 128, 4, 2, 16, 32
+    q = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
+    k = jax.ShapeDtypeStruct((b, s, kv, dh), jnp.float32)
+    limit = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def loss(q, k, v, limit):
+        out, lse = prefix_attention(q, k, v, limit, chunk=chunk)
+        return jnp.sum(out) + jnp.sum(lse)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    counted = step.lower(q, k, k, limit).compile().cost_analysis()["flops"]
+    total = counted + flops_left_out(b, t, s, h, dh, chunk)
+    assert 1.0 <= total / (14 * b * t * s * h * dh) < 1.1
 
 
 TARGET = TargetConfig(

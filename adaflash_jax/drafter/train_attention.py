@@ -33,6 +33,21 @@ UNCOSTED_KERNELS: tuple[str, ...] = ()
 DEFAULT_CHUNK = 512
 
 
+def flops_left_out(
+    batch: int, queries: int, context: int, heads: int, head_dim: int, chunk: int, *, backward=True
+) -> int:
+    """Matmul FLOPs of one `prefix_attention` call that XLA's cost analysis does not count.
+
+    The chunks run as a rolled loop (`lax.scan`: unrolled, XLA shares the forward's scores
+    with the backward's recomputation and memory grows), and the cost analysis counts a loop
+    body once, i.e. one chunk of J. Each chunk costs 4·B·T·C·H·Dh forward (scores, P·V) and
+    10·B·T·C·H·Dh backward (scores again, dP, dV, dK, dQ); this returns the other J − 1.
+    """
+    chunk = min(chunk, context)
+    per_chunk = (4 + 10 * backward) * batch * queries * chunk * heads * head_dim
+    return (-(-context // chunk) - 1) * per_chunk
+
+
 def _grouped(x_BxTxHxDh, kv_heads: int):
     b, t, h, dh = x_BxTxHxDh.shape
     return x_BxTxHxDh.reshape(b, t, kv_heads, h // kv_heads, dh)
