@@ -31,6 +31,49 @@ _COMPILED: dict[tuple, tuple] = {}
 REPLAY_BATCH = 16  # fixed, so collection and evaluation share one replay program
 
 
+def stage_optimizer(cfg, kind: str) -> tuple[dict[str, OptimizerConfig | None], float]:
+    """(per-group optimizer configs, global clip norm) of a stage: what `steps.make_optimizer`
+    takes. A None group is frozen (stage 1 trains the drafter, head init the length head,
+    stage 2 both). Public so tools that compile a run's steps build the same optimizer."""
+    if kind == "stage1":
+        s1 = cfg.stage1
+        opt = OptimizerConfig(
+            lr=s1.lr,
+            schedule="cosine",
+            total_steps=max(s1.steps, 1),
+            warmup_steps=int(s1.warmup_fraction * s1.steps),
+            final_lr_fraction=s1.final_lr_fraction,
+            weight_decay=s1.weight_decay,
+            clip_norm=None,
+        )
+        return {"drafter": opt, "head": None}, 1.0
+    if kind == "head_init":
+        opt = OptimizerConfig(lr=cfg.head_init.lr, schedule="constant", clip_norm=None)
+        return {"drafter": None, "head": opt}, 1.0
+    if kind != "stage2":
+        raise ValueError(f"unknown stage {kind!r}; choose from {steps.KINDS}")
+    s2 = cfg.stage2
+    groups = {
+        name: OptimizerConfig(
+            lr=lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
+        )
+        for name, lr in (("drafter", s2.lr), ("head", s2.head_lr))
+    }
+    return groups, s2.clip_norm
+
+
+def step_spec(cfg, drafter_cfg, kind: str, divergence: str = "rkl") -> steps.StepSpec:
+    """The `StepSpec` a run (`cfg`: where step knobs come from) trains `kind` with."""
+    del cfg  # no run-config knob reaches the step spec today
+    return steps.StepSpec(
+        kind=kind,
+        block_size=drafter_cfg.block_size,
+        gamma=drafter_cfg.loss_gamma,
+        feature_layers=drafter_cfg.target_layer_ids,
+        divergence=divergence,
+    )
+
+
 class Trainer:
     def __init__(self, ctx: Context, mesh, target_split, drafter_graphdef, *, writer, guard):
         self.ctx, self.cfg, self.mesh = ctx, ctx.cfg, mesh
@@ -46,14 +89,7 @@ class Trainer:
         return self.t_graph, self.frozen
 
     def _spec(self, kind: str, divergence: str = "rkl") -> steps.StepSpec:
-        dc = self.ctx.drafter_cfg
-        return steps.StepSpec(
-            kind=kind,
-            block_size=dc.block_size,
-            gamma=dc.loss_gamma,
-            feature_layers=dc.target_layer_ids,
-            divergence=divergence,
-        )
+        return step_spec(self.cfg, self.ctx.drafter_cfg, kind, divergence)
 
     def _checkpointer(self, name: str) -> Checkpointer:
         c = self.cfg.checkpoint
@@ -129,24 +165,14 @@ class Trainer:
 
     # ---- stages ----------------------------------------------------------------------------
     def stage1(self, params, data: SequenceData):
-        s1 = self.cfg.stage1
-        opt = OptimizerConfig(
-            lr=s1.lr,
-            schedule="cosine",
-            total_steps=max(s1.steps, 1),
-            warmup_steps=int(s1.warmup_fraction * s1.steps),
-            final_lr_fraction=s1.final_lr_fraction,
-            weight_decay=s1.weight_decay,
-            clip_norm=None,
-        )
-        groups = {"drafter": opt, "head": None}
-        return self._fixed_data_stage("stage1", "stage1", params, groups, s1.steps, data, 1.0)
+        groups, clip = stage_optimizer(self.cfg, "stage1")
+        steps_ = self.cfg.stage1.steps
+        return self._fixed_data_stage("stage1", "stage1", params, groups, steps_, data, clip)
 
     def head_init(self, params, data: SequenceData):
-        h = self.cfg.head_init
-        opt = OptimizerConfig(lr=h.lr, schedule="constant", clip_norm=None)
-        groups = {"drafter": None, "head": opt}
-        return self._fixed_data_stage("head_init", "head_init", params, groups, h.steps, data, 1.0)
+        groups, clip = stage_optimizer(self.cfg, "head_init")
+        steps_ = self.cfg.head_init.steps
+        return self._fixed_data_stage("head_init", "head_init", params, groups, steps_, data, clip)
 
     def stage2(self, method: str, params, pool: SequenceData, pool_prompts):
         """`rounds` × (collect with the current drafter → train `steps_per_round`)."""
@@ -155,23 +181,14 @@ class Trainer:
         if total == 0:
             return params, []
         name = f"stage2_{method}"
-        groups = {
-            "drafter": OptimizerConfig(
-                lr=s2.lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
-            ),
-            "head": OptimizerConfig(
-                lr=s2.head_lr, schedule="constant", weight_decay=s2.weight_decay, clip_norm=None
-            ),
-        }
+        groups, clip = stage_optimizer(self.cfg, "stage2")
         divergence, alpha = STAGE2_OBJECTIVE[method]
         knobs = {
             "alpha": s2.alpha if alpha is None else alpha,
             "tau": s2.tau,
             "temperature": s2.temperature,
         }
-        state, data_state, ckpt, fn = self._begin(
-            name, "stage2", params, groups, s2.clip_norm, divergence
-        )
+        state, data_state, ckpt, fn = self._begin(name, "stage2", params, groups, clip, divergence)
         taus = []
         with ckpt:
             for r in range(s2.rounds):

@@ -178,7 +178,21 @@ def target_from(cfg: Any) -> TargetConfig:
         return target_preset(cfg.target_shape)
     if getattr(cfg, "target_path", None):
         return _from_dir(cfg.target_path)
+    if getattr(cfg, "embedded_preset", None):
+        return _embedded(cfg.embedded_preset)
     raise ConfigError("the config names no target: set target, target_shape or target_path")
+
+
+def _embedded(preset: str) -> TargetConfig:
+    """The architecture of an embedded target (`RunConfig.embedded_preset`) without building
+    it: its vocabulary is the preset's BPE size (special tokens included)."""
+    from adaflash_jax.train.presets import get_preset
+
+    try:
+        p = get_preset(preset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return p.target_config(p.vocab_size, None)
 
 
 def _from_dir(path: str) -> TargetConfig:
@@ -243,11 +257,25 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         attention=get("attention", "naive"),
         logits_chunk=get("logits_chunk"),
         collect_slots=get("collect_slots"),
-        collect_capacity=get("collect_capacity"),
-        collect_prompt_len=get("collect_prompt_len"),
+        collect_capacity=get("collect_capacity", engine_capacity(cfg)),
+        collect_prompt_len=get("collect_prompt_len", _prompt_len(cfg)),
         target_rules=get("target_rules", "train"),
         compute_bytes={"float32": 4, "bfloat16": 2}.get(str(get("compute_dtype", "bfloat16")), 2),
     )
+
+
+def engine_capacity(cfg: Any) -> int | None:
+    """A run config's collection cache (`distill.collect.engine_collect`: longest prompt + new
+    tokens + one block, rounded up to 16); None without a `data` section."""
+    data, draft = getattr(cfg, "data", None), getattr(cfg, "draft", None)
+    if data is None or draft is None:
+        return None
+    return -(-(data.max_prompt_len + data.max_new_tokens + draft.block_size) // 16) * 16
+
+
+def _prompt_len(cfg: Any) -> int | None:
+    data = getattr(cfg, "data", None)
+    return None if data is None else data.max_prompt_len
 
 
 def load_config_file(path: str | os.PathLike) -> Any:

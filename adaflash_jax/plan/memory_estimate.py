@@ -153,6 +153,8 @@ def format_plan(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
         f"batch {inp.batch_size} x seq {inp.seq_len}, {inp.num_anchors} anchors x block "
         f"{inp.block_size}, drafter {inp.drafter.num_layers} layers, remat={inp.remat}, "
         f"attention={inp.attention}",
+        "FORMULA estimate (plan/memory_estimate.py, no compile; `--compile SLICE` checks it "
+        "against the compiler):",
         f"{'phase':<11} {'term':<44} {'GiB/device':>10}",
     ]
     for term in plan.terms:
@@ -162,7 +164,7 @@ def format_plan(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
     budget = hbm_gib * (1 - headroom)
     verdict = "FITS" if plan.fits(hbm_gib * GIB, headroom) else "DOES NOT FIT"
     lines.append(
-        f"peak = persistent + max(train, collect) = {plan.peak_bytes / GIB:.2f} GiB; budget "
-        f"{budget:.2f} GiB ({hbm_gib:g} GiB HBM, {headroom:.0%} headroom): {verdict}"
+        f"peak (FORMULA) = persistent + max(train, collect) = {plan.peak_bytes / GIB:.2f} GiB; "
+        f"budget {budget:.2f} GiB ({hbm_gib:g} GiB HBM, {headroom:.0%} headroom): {verdict}"
     )
     return "\n".join(lines)
