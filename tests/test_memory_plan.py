@@ -122,17 +122,17 @@ def test_formulas_scale_as_documented():
     # Qwen3-8B over 8-way fsdp: every weight divides; only the norms stay replicated.
     specs = target_params(target_preset("qwen3-8b"))
     norms = total_bytes([s for s in specs if s.logical_axes == ("norm",)], 2)
-    assert p.term("target params (bf16)") == (total_bytes(specs, 2) - norms) // 8 + norms
+    assert p.term("target params (compute dtype)") == (total_bytes(specs, 2) - norms) // 8 + norms
     logits = "logits (teacher + student + grad, fp32)"
     assert p.term(logits) == 4 * 1 * 64 * 15 * 151936 * 4
     assert estimate(_inputs(logits_chunk=16)).term(logits) * 4 == p.term(logits)
-    gathered = p.term("target layers gathered over fsdp (2, bf16)", "train")
+    gathered = p.term("target layers gathered over fsdp (2)", "train")
     assert gathered == 2 * (total_bytes(target_params(target_preset("qwen3-8b"))[1:12], 2))
     doubled = estimate(_inputs(batch_size=16)).phase_bytes("train") - gathered
     assert doubled == 2 * (p.phase_bytes("train") - gathered)
     assert estimate(_inputs(attention="fused")).term("drafter attention scores (naive)") == 0
     assert estimate(_inputs(remat=True)).phase_bytes("train") < p.phase_bytes("train")
-    kv = estimate(_inputs(collect_slots=16)).term("target KV cache (bf16)")
+    kv = estimate(_inputs(collect_slots=16)).term("target KV cache")
     assert kv == 36 * 2 * 2 * 1024 * 8 * 128 * 2  # L * (k,v) * rows * C * Kv * Dh * bf16
     assert p.peak_bytes == p.phase_bytes("persistent") + max(
         p.phase_bytes("train"), p.phase_bytes("collect")

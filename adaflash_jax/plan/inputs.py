@@ -13,7 +13,7 @@ import of the training code. The fields it looks for (all optional except as not
   drafter_intermediate_size, length_head_dim, accept_dim (default 64 with a length head).
 - remat (bool, or "none"/"full"), attention ("naive" | "fused"), logits_chunk (anchors per
   loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules,
-  compute_dtype ("bfloat16" | "float32": activation bytes; target weights count as bf16).
+  compute_dtype ("bfloat16" | "float32": bytes of activations, target weights and caches).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ n feature layers, R collection rows per shard, C cache capacity, P prompt length
 activation (bf16: 2).
 
 Formulas, per device (`estimate` computes exactly these):
-  persistent  target params   Σ shard(w) * 2            (bf16; rules: TRAIN_RULES or DECODE_RULES)
+  persistent  target params   Σ shard(w) * a            (compute dtype, as load_target; rules:
+                                                         TRAIN_RULES or DECODE_RULES)
               drafter params  Σ shard(w) * 4            (fp32 master, TRAIN_RULES)
               drafter grads   Σ shard(w) * 4
               AdamW moments   Σ shard(w) * 8            (mu and nu, fp32)
@@ -100,8 +101,8 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     # ---- persistent state -----------------------------------------------------------------
     add(
         "persistent",
-        "target params (bf16)",
-        per_device_bytes(target_params(tgt), 2, inp.mesh, rules),
+        "target params (compute dtype)",
+        per_device_bytes(target_params(tgt), a, inp.mesh, rules),
     )
     drafter_w = per_device_bytes(drafter_params(dr), 4, inp.mesh, TRAIN_RULES)
     add("persistent", "drafter params (fp32 master)", drafter_w)
@@ -111,7 +112,7 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     # One target layer all-gathered over fsdp (double-buffered so the next gather overlaps).
     gathered = 0
     if fsdp > 1 and inp.target_rules == "train":
-        gathered = 2 * per_device_bytes(target_layer_params(tgt), 2, (1, 1, t), rules)
+        gathered = 2 * per_device_bytes(target_layer_params(tgt), a, (1, 1, t), rules)
 
     # ---- train step -----------------------------------------------------------------------
     b, s, k = inp.batch_size // inp.batch_shards, inp.seq_len, inp.block_size
@@ -119,7 +120,7 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     nc = min(inp.num_anchors, inp.logits_chunk or inp.num_anchors)
     per_tok = 3 * d + (2 * h_t + 2 * kv_t) * dh + 3 * f_t
     layer = b * s * a * per_tok + b * s * s + (b * h_t * s * s * (4 + a) if naive else 0)
-    add("train", "target layers gathered over fsdp (2, bf16)", gathered)
+    add("train", "target layers gathered over fsdp (2)", gathered)
     add("train", "target forward: one layer's temporaries", layer)
     add("train", "target outputs (features + final hidden)", b * s * (n_feat + 1) * d * a)
     add("train", "logits (teacher + student + grad, fp32)", 4 * b * nc * (k - 1) * v_t * 4)
@@ -136,11 +137,11 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
 
     # ---- on-policy collection -------------------------------------------------------------
     r, c, p = inp.slots // inp.collect_shards, inp.capacity, inp.prompt_len
-    add("collect", "target KV cache (bf16)", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
+    add("collect", "target KV cache", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
     add("collect", "drafter context K/V cache", dr.num_layers * 2 * r * c * dkv_t * dr.head_dim * a)
     prefill = r * p * a * (per_tok + n_feat * d) + (r * h_t * p * c * (4 + a) if naive else 0)
     verify = 2 * r * k * v_t * 4 + (r * h_t * k * c * (4 + a) if naive else 0)
-    add("collect", "target layers gathered over fsdp (2, bf16)", gathered)
+    add("collect", "target layers gathered over fsdp (2)", gathered)
     add("collect", "prefill/verify temporaries", max(prefill, verify))
     return MemoryPlan(inputs=inp, terms=tuple(terms))
 
