@@ -2,6 +2,7 @@
 tiny config's stage-1 / stage-2 steps and engine step compiled for a v5p:2x2x1 slice, with
 the compiler's memory figures checked against the sharded shapes the project gives them."""
 
+import json
 import subprocess
 import sys
 
@@ -142,15 +143,36 @@ def test_cost_table_follows_the_engine_step_calibration():
     assert "compiler estimate" in table.device
 
 
-def test_cli_bad_topology_is_one_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "experiments.tpu_compile", "--topology", "v5p-7"],
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.tpu_compile", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
-    assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and "accepted: v5p-8" in out.stderr
+
+
+def test_cli_bad_input_is_one_line():
+    for args, want in (
+        (["--topology", "v5p-7"], "accepted: v5p-8"),
+        (["--topology", "v5p-8", "--set", "batch_size=6"], "batch_size 6 is not divisible"),
+        (["--topology", "v5p-8", "--only", "eval"], "--only takes"),
+    ):
+        out = _cli(*args)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().count("\n") == 0 and want in out.stderr
+
+
+def test_cli_writes_the_report(tmp_path):
+    path = tmp_path / "tiny.json"
+    out = _cli("--topology", "v5p-8", "--only", "draft", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "compiler estimates" in out.stdout and "| draft B=16 |" in out.stdout
+    data = json.loads(path.read_text())
+    assert data["label"].startswith("compiler estimates") and data["uncosted_kernels"] == []
+    assert data["topology"] == "v5p:2x2x1" and data["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    (draft,) = data["programs"]
+    assert draft["fits"] and draft["optimal_seconds"] > 0 and draft["estimated_over_floor"] > 1
 
 
 def test_jax_backend_stays_cpu():
