@@ -16,6 +16,7 @@ Formulas, per device (`estimate` computes exactly these):
               drafter grads   Σ shard(w) * 4
               AdamW moments   Σ shard(w) * 8            (mu and nu, fp32)
   train       gathered        2 * one target layer's weights all-gathered over fsdp (if fsdp > 1)
+              LM head         D*V_t*a, gathered over fsdp (if fsdp > 1)
               target layer    B*S*a*(3D + (2H_t+2Kv_t)Dh + 3F_t) + B*S*S (mask)
                               + naive: B*H_t*S*S*(4 + a)        (scores fp32 + probs)
               target outputs  B*S*(n+1)*D*a                     (features + final hidden)
@@ -27,7 +28,7 @@ Formulas, per device (`estimate` computes exactly these):
               drafter attn    naive: Ld (remat: 1) * B*H_t*Q*(S+Q)*(4 + a) + mask B*Q*(S+Q)
   collect     target KV cache L*2*R*C*Kv_t*Dh*a
               drafter cache   Ld*2*R*C*Kv_t*Dh*a                (context K/V of every layer)
-              gathered        as in train
+              gathered        as in train, and the LM head
               step temps      max(prefill, verify), where
                               prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
                                         + naive R*H_t*P*C*(4 + a)
@@ -109,10 +110,13 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     add("persistent", "drafter grads (fp32)", drafter_w)
     add("persistent", "AdamW moments (2 x fp32)", 2 * drafter_w)
 
-    # One target layer all-gathered over fsdp (double-buffered so the next gather overlaps).
-    gathered = 0
+    # One target layer all-gathered over fsdp (double-buffered so the next gather overlaps),
+    # and the LM head the teacher, the drafter and the verify read whole (the compiled 8B
+    # stage-2 step holds it as one bf16[D, V] buffer).
+    gathered, head = 0, 0
     if fsdp > 1 and inp.target_rules == "train":
         gathered = 2 * per_device_bytes(target_layer_params(tgt), a, (1, 1, t), rules)
+        head = d * v_t * a
 
     # ---- train step -----------------------------------------------------------------------
     b, s, k = inp.batch_size // inp.batch_shards, inp.seq_len, inp.block_size
@@ -121,6 +125,7 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     per_tok = 3 * d + (2 * h_t + 2 * kv_t) * dh + 3 * f_t
     layer = b * s * a * per_tok + b * s * s + (b * h_t * s * s * (4 + a) if naive else 0)
     add("train", "target layers gathered over fsdp (2)", gathered)
+    add("train", "LM head gathered over fsdp", head)
     add("train", "target forward: one layer's temporaries", layer)
     add("train", "target outputs (features + final hidden)", b * s * (n_feat + 1) * d * a)
     add("train", "logits (teacher + student + grad, fp32)", 4 * b * nc * (k - 1) * v_t * 4)
@@ -142,6 +147,7 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     prefill = r * p * a * (per_tok + n_feat * d) + (r * h_t * p * c * (4 + a) if naive else 0)
     verify = 2 * r * k * v_t * 4 + (r * h_t * k * c * (4 + a) if naive else 0)
     add("collect", "target layers gathered over fsdp (2)", gathered)
+    add("collect", "LM head gathered over fsdp", head)
     add("collect", "prefill/verify temporaries", max(prefill, verify))
     return MemoryPlan(inputs=inp, terms=tuple(terms))
 
