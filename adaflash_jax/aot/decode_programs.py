@@ -6,7 +6,8 @@ width, K block size.
 
 Each is the project's own jitted entry point: `decode.generate.generate_jit` (regeneration),
 `decode.speculative.jitted("run_loop")` (the engine's device loop, built by
-`decode.slots.SpeculativeEngine` from abstract models) and `Drafter.draft`. The engine loop
+`decode.slots.SpeculativeEngine` from abstract models), `jitted("prefill_slots")` (its
+prefill) and `Drafter.draft`. The engine loop
 runs one step per iteration; XLA's cost analysis counts a while loop's body once, so its
 figures are one step's (plus the loop's small prologue). For a per-width figure the loop is
 compiled with a single bucket W (`EngineSpec` then caps every verify at W): the serving engine
@@ -156,6 +157,26 @@ def engine_programs(
             p = dataclasses.replace(p, notes=(*p.notes, "W=1 pinned: no draft verified"))
         out.append(p)
     return out
+
+
+def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) -> Program:
+    """The engine's prefill of every slot at once (its first call: all slots free), prompts
+    padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""
+    engine = _engine(m, slots, capacity, 0.0, drafted=True)
+    p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
+    state = jax.eval_shape(lambda: engine.init_state(0))
+    rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
+    args = (*m.target, *m.drafter, state, rows(), struct((slots, p), jnp.int32), rows(), rows())
+    return Program(
+        name=f"prefill B={slots}",
+        kind="decode",
+        fn=sp.jitted("prefill_slots"),
+        args=args,
+        static=dict(spec=engine.spec.prefill_spec),
+        weight_bytes=m.target_bytes + m.drafter_bytes,
+        rows=slots,
+        notes=(f"{slots} prompts of {p} tokens into a cache of {capacity}",),
+    )
 
 
 def plain_program(m: Models, *, slots: int, capacity: int) -> Program:

@@ -1,9 +1,10 @@
 """Which programs to compile: those a distillation run executes, or a serving cost table.
 
 `run_programs(cfg, mesh)`: the run's train steps (stage 1, head init, stage 2), the
-regeneration program, the speculative engine's step at the configured slots for every verify
-width (collection `stage2.collect_slots`; evaluation `eval.slots` when it differs), and the
-drafter's block forward, all on the run's mesh under TRAIN_RULES as the run shards them.
+regeneration program, the speculative engine's prefill of all slots and its step at every
+verify width, at the configured slots (collection `stage2.collect_slots`; evaluation
+`eval.slots` when it differs), and the drafter's block forward, all on the run's mesh under
+TRAIN_RULES as the run shards them.
 
 `serve_programs(...)`: decoding with tensor-parallel weights (DECODE_RULES, mesh
 (1, 1, chips)): per row count B the engine's plain step, the drafter forward and the drafted
@@ -30,7 +31,7 @@ from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.plan.inputs import engine_capacity
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
 
-GROUPS = ("train", "generate", "engine", "draft")
+GROUPS = ("train", "generate", "prefill", "engine", "draft")
 
 
 def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS) -> list[Program]:
@@ -58,6 +59,9 @@ def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS) -> list[Program]:
     for n, temperature, use in slots:
         used = cfg.stage2.collector if use == "collection" else cfg.eval.backend
         note = f"{use}: " + ("this run's engine" if used == "engine" else "run uses replay")
+        if "prefill" in groups:
+            p = dp.prefill_program(m, slots=n, capacity=cap, prompt_len=d.max_prompt_len)
+            out.append(_noted(p, note))
         if "engine" in groups:
             for p in dp.engine_programs(m, slots=n, capacity=cap, temperature=temperature):
                 out.append(_noted(p, note))
