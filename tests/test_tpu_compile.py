@@ -68,7 +68,8 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def phases(tiny):
-    """The planner's compiled phases: the tiny run's stage-2 step and engine step (W = K)."""
+    """The planner's compiled phases: the tiny run's stage-2 step, engine step (W = K) and
+    engine prefill."""
     cfg, s, _ = tiny
     return compile_phases(cfg, s)
 
@@ -101,14 +102,16 @@ def test_stage2_and_engine_steps_compile_for_tpu(tiny, phases):
     cfg, s, mesh = tiny
     (stage2,) = train_programs(cfg, mesh, kinds=("stage2",))
     _check_train_step(phases.train, stage2, "stage2", cfg, s)
-    engine = phases.collect
+    engine, prefill = phases.collect
     assert engine.program == "engine W=8 B=16" and engine.compiled, engine.error
     assert engine.argument_bytes >= engine.weight_bytes > 0 and engine.fits
     assert engine.flops > 0 and engine.optimal_seconds > 0
     assert engine.vs_floor > 1  # nothing beats reading the weights once
-    # the planner's collect phase: the engine program plus the AdamW moments kept in HBM
+    assert prefill.program == "prefill B=16" and prefill.compiled and prefill.fits
+    # the planner's collect phase: the larger engine program plus the AdamW moments
     assert phases.moments_bytes == per_chip_bytes(stage2.args[0].opt_state) > 0
-    assert phases.collect_bytes == engine.total_bytes + phases.moments_bytes
+    biggest = max(engine.total_bytes, prefill.total_bytes)
+    assert phases.collect_bytes == biggest + phases.moments_bytes
     assert phases.peak_bytes == max(phases.train_bytes, phases.collect_bytes)
 
 

@@ -4,9 +4,10 @@ stage-2 step and collection engine step (`adaflash_jax.aot`), per chip.
   train    the compiled stage-2 step: arguments (frozen target, fp32 drafter masters, AdamW
            moments, batch) + outputs not aliased to the donated state + temporaries
            (gradients, activations, logits) + generated code;
-  collect  the compiled engine step at the full block over `stage2.collect_slots` rows (target
-           and drafter weights, the engine's caches and outputs, temporaries, code) + the
-           AdamW moments, which stay in HBM while the run collects.
+  collect  the larger of the compiled engine step at the full block and the engine's prefill
+           of all `stage2.collect_slots` slots (target and drafter weights, the engine's
+           caches and outputs, temporaries, code) + the AdamW moments, which stay in HBM
+           while the run collects.
 peak = max(train, collect): the phases alternate and share only what both count.
 """
 
@@ -41,7 +42,7 @@ RUN_FIELDS = {
 class CompiledPhases:
     slice: Slice
     train: Figures  # the stage-2 step
-    collect: Figures  # the engine step at W = K
+    collect: tuple[Figures, ...]  # the engine step at W = K, the engine's prefill
     moments_bytes: int  # AdamW moments per chip (in HBM during collection too)
 
     @property
@@ -50,7 +51,7 @@ class CompiledPhases:
 
     @property
     def collect_bytes(self) -> int:
-        return self.collect.total_bytes + self.moments_bytes
+        return max(f.total_bytes for f in self.collect) + self.moments_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -58,7 +59,7 @@ class CompiledPhases:
 
     @property
     def refused(self) -> list[str]:
-        return [f"{f.program}: {f.error}" for f in (self.train, self.collect) if not f.compiled]
+        return [f"{f.program}: {f.error}" for f in (self.train, *self.collect) if not f.compiled]
 
     def fits(self, hbm_gib: float, headroom: float) -> bool:
         return not self.refused and self.peak_bytes <= hbm_gib * GIB * (1 - headroom)
@@ -107,12 +108,14 @@ def compile_phases(cfg: RunConfig, sl: Slice) -> CompiledPhases:
     )
     mesh = make_mesh(*shape, devices=slice_devices(sl))
     (stage2,) = train_programs(cfg, mesh, kinds=("stage2",))
-    engine = [p for p in P.run_programs(cfg, mesh, groups=("engine",)) if p.width]
-    full = max(engine, key=lambda p: (p.rows == cfg.stage2.collect_slots, p.width))
+    mine = [p for p in P.run_programs(cfg, mesh, groups=("prefill", "engine")) if
+            p.rows == cfg.stage2.collect_slots]  # fmt: skip
+    full = max((p for p in mine if p.width), key=lambda p: p.width)
+    (prefill,) = [p for p in mine if p.name.startswith("prefill")]
     return CompiledPhases(
         slice=sl,
         train=compile_program(stage2, sl.chip, sl.chips),
-        collect=compile_program(full, sl.chip, sl.chips),
+        collect=tuple(compile_program(p, sl.chip, sl.chips) for p in (full, prefill)),
         moments_bytes=per_chip_bytes(stage2.args[0].opt_state),
     )
 
@@ -131,9 +134,13 @@ def format_compiled(c: CompiledPhases, plan: MemoryPlan, hbm_gib: float, headroo
         f"  train    {c.train.program} step               "
         f"{c.train_bytes / gib:8.2f}   formula {formula['train'] / gib:8.2f} "
         f"({_pct(c.train_bytes, formula['train'])})",
-        f"  collect  {c.collect.program} + AdamW moments "
-        f"{c.collect_bytes / gib:8.2f}   formula {formula['collect'] / gib:8.2f} "
-        f"({_pct(c.collect_bytes, formula['collect'])})",
+        f"  collect  max({', '.join(f.program for f in c.collect)}) + AdamW moments "
+        + (
+            f"{c.collect_bytes / gib:8.2f}   formula {formula['collect'] / gib:8.2f} "
+            f"({_pct(c.collect_bytes, formula['collect'])})"
+            if all(f.compiled for f in c.collect)
+            else f"refused   formula {formula['collect'] / gib:8.2f}"
+        ),
     ]
     lines += [f"  the compiler refused {r}" for r in c.refused]
     budget = hbm_gib * (1 - headroom)
