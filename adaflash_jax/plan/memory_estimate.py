@@ -32,6 +32,7 @@ Formulas, per device (`estimate` computes exactly these):
               step temps      max(prefill, verify), where
                               prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
                                         + naive R*H_t*P*C*(4 + a)
+                                        + fresh caches (L + Ld)*2*R*C*Kv_t*Dh*a
                               verify  = 2*R*K*V_t*4 + naive R*H_t*K*C*(4 + a)
 peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
 """
@@ -144,7 +145,12 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     r, c, p = inp.slots // inp.collect_shards, inp.capacity, inp.prompt_len
     add("collect", "target KV cache", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
     add("collect", "drafter context K/V cache", dr.num_layers * 2 * r * c * dkv_t * dr.head_dim * a)
+    # the prefill writes R fresh caches (target + drafter context) before scattering them in
+    fresh = (
+        (tgt.num_hidden_layers * kv_t * dh + dr.num_layers * dkv_t * dr.head_dim) * 2 * r * c * a
+    )
     prefill = r * p * a * (per_tok + n_feat * d) + (r * h_t * p * c * (4 + a) if naive else 0)
+    prefill += fresh
     verify = 2 * r * k * v_t * 4 + (r * h_t * k * c * (4 + a) if naive else 0)
     add("collect", "target layers gathered over fsdp (2)", gathered)
     add("collect", "LM head gathered over fsdp", head)
