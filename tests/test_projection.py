@@ -135,7 +135,7 @@ def test_reads_a_tpu_cost_table_of_compiler_estimates(tmp_path, capsys):
     out = tmp_path / "proj.json"
     argv = ["--traces", traces, "--cost", str(path), "--concurrency", "1", "--json", str(out)]
     assert project_throughput.main(argv) == 0
-    assert "v5e:2x4 (compiler estimates" in capsys.readouterr().out
+    assert "v5e:2x4: compiler estimates" in capsys.readouterr().out
     got = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
     # plain = verify[1] = the plain step; fixed W=4 = draft + verify[4] = the drafted step
     assert got["plain"]["tokens_per_s"] == pytest.approx(1000 / 10.0)

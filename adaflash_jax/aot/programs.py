@@ -116,6 +116,6 @@ def cost_table(figs: list[Figures], *, device: str, model: str) -> VerifyCostTab
         widths=(1, *widths),
         verify_ms=tuple(verify),
         draft_ms=tuple(draft),
-        device=f"{device} ({LABEL})",
+        device=f"{device}: {LABEL}",
         model=model,
     )
