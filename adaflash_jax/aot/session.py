@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import jax
+
 from adaflash_jax.aot import programs as P
 from adaflash_jax.aot import report as R
 from adaflash_jax.aot.abstract import run_drafter, run_target
@@ -28,6 +30,7 @@ def _compile_all(progs, sl: Slice, log) -> list[R.Figures]:
     figs = []
     for i, p in enumerate(progs, 1):
         f = R.compile_program(p, sl.chip, sl.chips)
+        jax.clear_caches()  # traces of 8B programs add up to GBs over a long session
         state = "compiled" if f.compiled else f"refused: {f.error}"
         print(f"[{i}/{len(progs)}] {p.name}: {state} in {f.compile_s:.0f} s", file=log, flush=True)
         figs.append(f)
