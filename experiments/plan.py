@@ -2,7 +2,11 @@
 
   python -m experiments.plan --config experiments/configs/qwen3_8b_v5p.py --devices 64 --hbm-gib 95
   python -m experiments.plan --target-shape qwen3-32b --devices 32 --chip v6e --batch-size 32
+  python -m experiments.plan --config experiments/configs/qwen3_8b_v5p.py --compile v5p-64
 
+The breakdown is a FORMULA estimate (plan/memory_estimate.py). `--compile SLICE` also compiles
+the run's stage-2 step and collection engine step for that TPU slice without a TPU
+(adaflash_jax.aot; minutes for an 8B model) and decides on the COMPILED peak instead.
 Exit status 0 when the plan fits, 1 when it does not, 2 on bad input.
 """
 
@@ -23,6 +27,7 @@ from adaflash_jax.plan import (
     load_config_file,
 )
 from adaflash_jax.plan.advice import CHIP_HBM_GIB, slice_table
+from adaflash_jax.plan.compiled import compile_request, format_compiled
 from adaflash_jax.plan.inputs import target_from, target_preset
 
 KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers", "num_features",
@@ -44,7 +49,13 @@ def main(argv=None) -> int:
         p.add_argument("--" + knob.replace("_", "-"), type=int)
     p.add_argument("--remat", choices=("none", "full"))
     p.add_argument("--attention", choices=("naive", "fused"))
+    p.add_argument("--compile", metavar="SLICE", help="also compile for this slice, e.g. v5p-64")
     args = p.parse_args(argv)
+    try:
+        request = compile_request(args, KNOBS) if args.compile else None
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     hbm = args.hbm_gib or CHIP_HBM_GIB.get(args.chip)
     if not args.table and (hbm is None or args.devices is None):
         p.error("pass --devices and --hbm-gib (or --chip), or --table")
@@ -79,6 +90,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan, hbm, args.headroom))
+    if request is not None:
+        phases = request.run()
+        print(format_compiled(phases, plan, hbm, args.headroom))
+        return 0 if phases.fits(hbm, args.headroom) else 1
     print(format_advice(plan, hbm, args.headroom))
     return 0 if plan.fits(hbm * GIB, args.headroom) else 1
 

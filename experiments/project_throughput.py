@@ -5,6 +5,10 @@ measurement.
 python -m experiments.project_throughput --traces bench_out/bench_traces.json
 python -m experiments.project_throughput --traces T.json --cost benchmarks/h200/qwen3_8b_table.json
 python -m experiments.project_throughput --traces T.json --cost-from-traces   # own device
+python -m experiments.project_throughput --traces T.json --cost benchmarks/tpu/v5e8_cost.json
+
+A TPU cost table comes from `python -m experiments.tpu_compile --serve --cost-table T.json`
+(compiler estimates of the engine's plain, draft and verify steps; the header says so).
 
 Default costs: the H200 Qwen3-8B-shape forward timings in benchmarks/h200/ (default XLA
 flags) and DESIGN §7's draft cost. See adaflash_jax/bench/projection.py for the model.
@@ -71,8 +75,9 @@ def main(argv=None) -> int:
         "# PROJECTION — not a measurement",
         "",
         "Output tokens/s at saturated concurrency B (ratio to projected plain decoding),",
-        "from measured acceptance and step costs measured elsewhere:",
-        f"- step costs: {', '.join(m.sources)}",
+        "from measured acceptance and step costs from elsewhere (measured, unless a source",
+        "says compiler estimates):",
+        f"- step costs: {'; '.join(pj.cost_source(s) if s in a.cost else s for s in m.sources)}",
         f"- draft cost ms by batch: {dict(zip(cost.draft_rows, cost.draft_ms))}",
         *(f"- filled: {n}" for n in cost.notes),
     ]

@@ -115,3 +115,28 @@ def test_cost_fill_rules_and_errors(tmp_path):
         cm.build(cm.Measurements(verify={(1, 1): 1.0, (2, 2): 2.0}), (1, 2))
     assert cm.parse_draft_ms("1:2.6,128:16") == {1: 2.6, 128: 16.0}
     np.testing.assert_allclose(model.verify_ms[0], [10, 12, 16])
+
+
+def test_reads_a_tpu_cost_table_of_compiler_estimates(tmp_path, capsys):
+    from adaflash_jax.aot.programs import cost_table
+    from adaflash_jax.aot.report import Figures
+
+    def fig(name, ms, rows, width):
+        return Figures(program=name, kind="decode", hbm_bytes=1, chips=8, compiled=True,
+                       optimal_seconds=ms / 1e3, rows=rows, width=width)  # fmt: skip
+
+    figs = []
+    for b, plain in ((1, 10.0), (4, 20.0)):
+        figs += [fig(f"plain B={b}", plain, b, 1), fig(f"draft B={b}", b / 2, b, 0)]
+        figs += [fig(f"engine W={w} B={b}", plain + b / 2 + w, b, w) for w in (2, 4)]
+    path = tmp_path / "tpu.json"
+    cost_table(figs, device="v5e:2x4", model="8B").save(path)
+    traces, _ = _write(tmp_path, [_cell("fixed", ["30", "13"], ["33", "33"])])
+    out = tmp_path / "proj.json"
+    argv = ["--traces", traces, "--cost", str(path), "--concurrency", "1", "--json", str(out)]
+    assert project_throughput.main(argv) == 0
+    assert "v5e:2x4: compiler estimates" in capsys.readouterr().out
+    got = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    # plain = verify[1] = the plain step; fixed W=4 = draft + verify[4] = the drafted step
+    assert got["plain"]["tokens_per_s"] == pytest.approx(1000 / 10.0)
+    assert got["ada/fixed"]["tokens_per_s"] == pytest.approx(1000 * 2.75 / (10 + 0.5 + 4))

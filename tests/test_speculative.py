@@ -210,6 +210,20 @@ def test_oracle_drafter_accepts_and_stays_lossless(table_engine, reference):
     _check_stats(results, table_engine)
 
 
+def test_spec_pinned_below_k_caps_every_verify(target, bigram, reference):
+    """A spec whose largest bucket W is below K (how adaflash_jax.aot compiles one program
+    per width) verifies at most W tokens a step and stays lossless."""
+    engine = _engine(target, TableDrafter(_drafter_cfg(4), bigram))
+    engine.spec = dataclasses.replace(engine.spec, buckets=(2,))
+    results = engine.generate(_requests())
+    assert [r.output_ids for r in results] == reference["plain"]
+    assert {w for r in results for w in r.widths} == {2}
+    accepted = [a for r in results for a in r.accepted]
+    assert max(accepted) == 1  # the oracle is often right: one draft verified, one accepted
+    with pytest.raises(ValueError, match="within"):
+        dataclasses.replace(engine.spec, buckets=(2, 5))
+
+
 def test_oracle_drafter_eos_inside_block(target, bigram, reference):
     drafter = TableDrafter(_drafter_cfg(4), bigram)
     engine = _engine(target, drafter, eos_ids=(reference["eos"],))

@@ -89,6 +89,18 @@ def load_acceptance(path: str, *, domain: str | None = None) -> dict[str, Accept
     return out
 
 
+def cost_source(path: str) -> str:
+    """How the projection's header names a cost file: a verify-cost table (a device's
+    calibration, or a TPU table of compiler estimates from `experiments.tpu_compile --serve`)
+    by the device and shapes it records, any other file by its path."""
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("format") != "adaflash_jax.verify_cost/1":
+        return path
+    model = f"; {data['model']}" if data.get("model") else ""
+    return f"{path} ({data.get('device', 'unknown device')}{model})"
+
+
 def plain_tps(cost: CostModel, b: int) -> float:
     return 1e3 * b / cost.verify(b, 1)
 

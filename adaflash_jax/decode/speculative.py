@@ -111,8 +111,12 @@ class EngineSpec:
         return bool(getattr(self.policy, "skip_draft", False))
 
     def __post_init__(self):
-        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != self.block_size:
-            raise ValueError(f"buckets {self.buckets} must ascend and end at K={self.block_size}")
+        # A serving engine's buckets end at K (`bucket_set`). One whose largest bucket W is
+        # below K verifies at most W tokens per step: a program pinned to one width, which is
+        # how `adaflash_jax.aot` compiles the step once per width for its cost estimates.
+        b = list(self.buckets)
+        if not b or b != sorted(set(b)) or b[0] < 1 or b[-1] > self.block_size:
+            raise ValueError(f"buckets {self.buckets} must ascend within [1, K={self.block_size}]")
 
     @property
     def prefill_spec(self) -> EngineSpec:

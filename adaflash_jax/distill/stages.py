@@ -74,6 +74,49 @@ def stage1_long_steps(cfg: RunConfig) -> int:
     return cfg.stage1.steps + cfg.stage2.rounds * cfg.stage2.steps_per_round
 
 
+def stage_optimizer(cfg: RunConfig, kind: str, total: int | None = None):
+    """(per-group optimizer configs, global clip norm of the draft model) of a stage: what
+    `steps.make_optimizer` takes. A group left out is frozen (stage 1 trains the drafter, head
+    init the length head and acceptance net, stage 2 all three). `total` overrides stage 1's
+    step count (the `stage1_long` baseline). Public so tools that compile a run's steps
+    (`adaflash_jax.aot`) build the same optimizer as the trainer."""
+    if kind == "stage1":
+        s1 = cfg.stage1
+        total = s1.steps if total is None else total
+        opt = OptimizerConfig(
+            lr=s1.lr,
+            schedule="cosine",
+            total_steps=max(total, 1),
+            warmup_steps=int(s1.warmup_fraction * total),
+            final_lr_fraction=s1.final_lr_fraction,
+            weight_decay=s1.weight_decay,
+            clip_norm=None,
+        )
+        return {"drafter": opt}, s1.clip_norm
+    if kind == "head_init":
+        h = cfg.head_init
+        return {"head": _adamw(h.lr, h), "accept": _adamw(h.lr, h)}, h.clip_norm
+    if kind != "stage2":
+        raise ValueError(f"unknown stage {kind!r}; choose from {steps.KINDS}")
+    s2 = cfg.stage2
+    head = _adamw(s2.head_lr, s2)
+    return {"drafter": _adamw(s2.lr, s2), "head": head, "accept": head}, s2.clip_norm
+
+
+def step_spec(cfg: RunConfig, drafter_cfg, kind: str, divergence: str = "rkl") -> steps.StepSpec:
+    """The `StepSpec` a run trains `kind` with (the loss and attention knobs come from `cfg`)."""
+    return steps.StepSpec(
+        kind=kind,
+        block_size=drafter_cfg.block_size,
+        gamma=drafter_cfg.loss_gamma,
+        feature_layers=drafter_cfg.target_layer_ids,
+        divergence=divergence,
+        loss_chunk=cfg.loss_chunk,
+        attention=cfg.train_attention,
+        attention_chunk=cfg.attention_chunk,
+    )
+
+
 class Trainer:
     def __init__(self, ctx: Context, mesh, target_split, drafter_graphdef, *, writer, guard):
         self.ctx, self.cfg, self.mesh = ctx, ctx.cfg, mesh
@@ -89,17 +132,7 @@ class Trainer:
         return self.t_graph, self.frozen
 
     def _spec(self, kind: str, divergence: str = "rkl") -> steps.StepSpec:
-        dc = self.ctx.drafter_cfg
-        return steps.StepSpec(
-            kind=kind,
-            block_size=dc.block_size,
-            gamma=dc.loss_gamma,
-            feature_layers=dc.target_layer_ids,
-            divergence=divergence,
-            loss_chunk=self.cfg.loss_chunk,
-            attention=self.cfg.train_attention,
-            attention_chunk=self.cfg.attention_chunk,
-        )
+        return step_spec(self.cfg, self.ctx.drafter_cfg, kind, divergence)
 
     def _checkpointer(self, name: str) -> Checkpointer:
         c = self.cfg.checkpoint
@@ -180,31 +213,18 @@ class Trainer:
     def stage1(self, params, data: SequenceData, *, name: str = "stage1", total=None):
         """Decayed CE on the regenerated data; `total` steps (default stage1.steps) over one
         warm-up + cosine schedule (`stage1_long` runs it for `stage1_long_steps`)."""
-        s1 = self.cfg.stage1
-        total = s1.steps if total is None else total
-        opt = OptimizerConfig(
-            lr=s1.lr,
-            schedule="cosine",
-            total_steps=max(total, 1),
-            warmup_steps=int(s1.warmup_fraction * total),
-            final_lr_fraction=s1.final_lr_fraction,
-            weight_decay=s1.weight_decay,
-            clip_norm=None,
-        )
+        total = self.cfg.stage1.steps if total is None else total
+        groups, clip = stage_optimizer(self.cfg, "stage1", total)
         it_args = (data, self.cfg.seed)
-        return self._fixed_data_stage(
-            name, "stage1", params, {"drafter": opt}, total, it_args, s1.clip_norm
-        )
+        return self._fixed_data_stage(name, "stage1", params, groups, total, it_args, clip)
 
     def head_init(self, params, data: SequenceData, *, name: str = "head_init"):
         """The length head (and its optional acceptance network) fitted with the drafter
         frozen, on `head_init.num_anchors` blocks per sequence drawn by `head_init.anchors`."""
         h = self.cfg.head_init
-        groups = {"head": _adamw(h.lr, h), "accept": _adamw(h.lr, h)}
+        groups, clip = stage_optimizer(self.cfg, "head_init")
         it_args = (data, self.cfg.seed, h.anchors, h.num_anchors)
-        return self._fixed_data_stage(
-            name, "head_init", params, groups, h.steps, it_args, h.clip_norm
-        )
+        return self._fixed_data_stage(name, "head_init", params, groups, h.steps, it_args, clip)
 
     def stage2(self, method: str, params, pool: Stage2Pool):
         """`rounds` × (collect new prompts with the current drafter → train
@@ -214,17 +234,14 @@ class Trainer:
         if total == 0:
             return params, []
         name = f"stage2_{method}"
-        head = _adamw(s2.head_lr, s2)
-        groups = {"drafter": _adamw(s2.lr, s2), "head": head, "accept": head}
+        groups, clip = stage_optimizer(self.cfg, "stage2")
         divergence, alpha = STAGE2_OBJECTIVE[method]
         knobs = {
             "alpha": s2.alpha if alpha is None else alpha,
             "tau": s2.tau,
             "temperature": s2.temperature,
         }
-        state, data_state, ckpt, fn = self._begin(
-            name, "stage2", params, groups, s2.clip_norm, divergence
-        )
+        state, data_state, ckpt, fn = self._begin(name, "stage2", params, groups, clip, divergence)
         taus = []
         with ckpt:
             for r in range(s2.rounds):

@@ -13,7 +13,7 @@ import of the training code. The fields it looks for (all optional except as not
   drafter_intermediate_size, length_head_dim, accept_dim (default 64 with a length head).
 - remat (bool, or "none"/"full"), attention ("naive" | "fused"), logits_chunk (anchors per
   loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules,
-  compute_dtype ("bfloat16" | "float32": activation bytes; target weights count as bf16).
+  compute_dtype ("bfloat16" | "float32": bytes of activations, target weights and caches).
 """
 
 from __future__ import annotations
@@ -90,11 +90,6 @@ class PlanInputs:
                 f"batch_size {self.batch_size} is not divisible by data*fsdp = "
                 f"{self.batch_shards} (mesh {self.mesh})"
             )
-        if self.slots % self.collect_shards:
-            raise ConfigError(
-                f"collect_slots {self.slots} is not divisible by the {self.collect_shards} "
-                f"batch shards of mesh {self.mesh}"
-            )
         if self.attention not in ("naive", "fused"):
             raise ConfigError(f"attention must be 'naive' or 'fused', got {self.attention!r}")
         if self.target_rules not in ("train", "decode"):
@@ -121,8 +116,11 @@ class PlanInputs:
 
     @property
     def collect_shards(self) -> int:
-        # DECODE_RULES put rows on `data` only; TRAIN_RULES on (data, fsdp).
-        return self.mesh[0] if self.target_rules == "decode" else self.batch_shards
+        """Shards the collection rows are split into: none. The engine creates its caches and
+        buffers unsharded (`decode.speculative.init_state`), so the compiler keeps every slot
+        on every chip: the compiled 8B engine step at 256 slots on v5p-64 holds all 256
+        rows' caches on each chip (BENCHMARKS.md, TPU section). Change this with the engine."""
+        return 1
 
     @property
     def slots(self) -> int:
@@ -178,7 +176,21 @@ def target_from(cfg: Any) -> TargetConfig:
         return target_preset(cfg.target_shape)
     if getattr(cfg, "target_path", None):
         return _from_dir(cfg.target_path)
+    if getattr(cfg, "embedded_preset", None):
+        return _embedded(cfg.embedded_preset)
     raise ConfigError("the config names no target: set target, target_shape or target_path")
+
+
+def _embedded(preset: str) -> TargetConfig:
+    """The architecture of an embedded target (`RunConfig.embedded_preset`) without building
+    it: its vocabulary is the preset's BPE size (special tokens included)."""
+    from adaflash_jax.train.presets import get_preset
+
+    try:
+        p = get_preset(preset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return p.target_config(p.vocab_size, None)
 
 
 def _from_dir(path: str) -> TargetConfig:
@@ -243,11 +255,25 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         attention=get("attention", "naive"),
         logits_chunk=get("logits_chunk"),
         collect_slots=get("collect_slots"),
-        collect_capacity=get("collect_capacity"),
-        collect_prompt_len=get("collect_prompt_len"),
+        collect_capacity=get("collect_capacity", engine_capacity(cfg)),
+        collect_prompt_len=get("collect_prompt_len", _prompt_len(cfg)),
         target_rules=get("target_rules", "train"),
         compute_bytes={"float32": 4, "bfloat16": 2}.get(str(get("compute_dtype", "bfloat16")), 2),
     )
+
+
+def engine_capacity(cfg: Any) -> int | None:
+    """A run config's collection cache (`distill.collect.engine_collect`: longest prompt + new
+    tokens + one block, rounded up to 16); None without a `data` section."""
+    data, draft = getattr(cfg, "data", None), getattr(cfg, "draft", None)
+    if data is None or draft is None:
+        return None
+    return -(-(data.max_prompt_len + data.max_new_tokens + draft.block_size) // 16) * 16
+
+
+def _prompt_len(cfg: Any) -> int | None:
+    data = getattr(cfg, "data", None)
+    return None if data is None else data.max_prompt_len
 
 
 def load_config_file(path: str | os.PathLike) -> Any:

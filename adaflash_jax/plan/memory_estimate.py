@@ -6,15 +6,17 @@ Dimensions: B sequences per batch shard (batch_size / (data*fsdp)), S sequence l
 N anchors per sequence (Nc of them with live logits), K block size, Q = N*K drafter block
 tokens, D width, F MLP width (F_t = F/t when the tensor axis t divides it), H/Kv query/kv
 heads (H_t, Kv_t likewise), Dh head dim, V vocab (V_t), L target layers, Ld drafter layers,
-n feature layers, R collection rows per shard, C cache capacity, P prompt length, a bytes per
-activation (bf16: 2).
+n feature layers, R collection rows per device (all slots: the engine does not split them
+over the mesh), C cache capacity, P prompt length, a bytes per activation (bf16: 2).
 
 Formulas, per device (`estimate` computes exactly these):
-  persistent  target params   Σ shard(w) * 2            (bf16; rules: TRAIN_RULES or DECODE_RULES)
+  persistent  target params   Σ shard(w) * a            (compute dtype, as load_target; rules:
+                                                         TRAIN_RULES or DECODE_RULES)
               drafter params  Σ shard(w) * 4            (fp32 master, TRAIN_RULES)
               drafter grads   Σ shard(w) * 4
               AdamW moments   Σ shard(w) * 8            (mu and nu, fp32)
   train       gathered        2 * one target layer's weights all-gathered over fsdp (if fsdp > 1)
+              LM head         D*V_t*a, gathered over fsdp (if fsdp > 1)
               target layer    B*S*a*(3D + (2H_t+2Kv_t)Dh + 3F_t) + B*S*S (mask)
                               + naive: B*H_t*S*S*(4 + a)        (scores fp32 + probs)
               target outputs  B*S*(n+1)*D*a                     (features + final hidden)
@@ -26,10 +28,11 @@ Formulas, per device (`estimate` computes exactly these):
               drafter attn    naive: Ld (remat: 1) * B*H_t*Q*(S+Q)*(4 + a) + mask B*Q*(S+Q)
   collect     target KV cache L*2*R*C*Kv_t*Dh*a
               drafter cache   Ld*2*R*C*Kv_t*Dh*a                (context K/V of every layer)
-              gathered        as in train
+              gathered        as in train, and the LM head
               step temps      max(prefill, verify), where
                               prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
                                         + naive R*H_t*P*C*(4 + a)
+                                        + fresh caches (L + Ld)*2*R*C*Kv_t*Dh*a
                               verify  = 2*R*K*V_t*4 + naive R*H_t*K*C*(4 + a)
 peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
 """
@@ -100,18 +103,21 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     # ---- persistent state -----------------------------------------------------------------
     add(
         "persistent",
-        "target params (bf16)",
-        per_device_bytes(target_params(tgt), 2, inp.mesh, rules),
+        "target params (compute dtype)",
+        per_device_bytes(target_params(tgt), a, inp.mesh, rules),
     )
     drafter_w = per_device_bytes(drafter_params(dr), 4, inp.mesh, TRAIN_RULES)
     add("persistent", "drafter params (fp32 master)", drafter_w)
     add("persistent", "drafter grads (fp32)", drafter_w)
     add("persistent", "AdamW moments (2 x fp32)", 2 * drafter_w)
 
-    # One target layer all-gathered over fsdp (double-buffered so the next gather overlaps).
-    gathered = 0
+    # One target layer all-gathered over fsdp (double-buffered so the next gather overlaps),
+    # and the LM head the teacher, the drafter and the verify read whole (the compiled 8B
+    # stage-2 step holds it as one bf16[D, V] buffer).
+    gathered, head = 0, 0
     if fsdp > 1 and inp.target_rules == "train":
-        gathered = 2 * per_device_bytes(target_layer_params(tgt), 2, (1, 1, t), rules)
+        gathered = 2 * per_device_bytes(target_layer_params(tgt), a, (1, 1, t), rules)
+        head = d * v_t * a
 
     # ---- train step -----------------------------------------------------------------------
     b, s, k = inp.batch_size // inp.batch_shards, inp.seq_len, inp.block_size
@@ -119,7 +125,8 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     nc = min(inp.num_anchors, inp.logits_chunk or inp.num_anchors)
     per_tok = 3 * d + (2 * h_t + 2 * kv_t) * dh + 3 * f_t
     layer = b * s * a * per_tok + b * s * s + (b * h_t * s * s * (4 + a) if naive else 0)
-    add("train", "target layers gathered over fsdp (2, bf16)", gathered)
+    add("train", "target layers gathered over fsdp (2)", gathered)
+    add("train", "LM head gathered over fsdp", head)
     add("train", "target forward: one layer's temporaries", layer)
     add("train", "target outputs (features + final hidden)", b * s * (n_feat + 1) * d * a)
     add("train", "logits (teacher + student + grad, fp32)", 4 * b * nc * (k - 1) * v_t * 4)
@@ -136,11 +143,17 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
 
     # ---- on-policy collection -------------------------------------------------------------
     r, c, p = inp.slots // inp.collect_shards, inp.capacity, inp.prompt_len
-    add("collect", "target KV cache (bf16)", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
+    add("collect", "target KV cache", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
     add("collect", "drafter context K/V cache", dr.num_layers * 2 * r * c * dkv_t * dr.head_dim * a)
+    # the prefill writes R fresh caches (target + drafter context) before scattering them in
+    fresh = (
+        (tgt.num_hidden_layers * kv_t * dh + dr.num_layers * dkv_t * dr.head_dim) * 2 * r * c * a
+    )
     prefill = r * p * a * (per_tok + n_feat * d) + (r * h_t * p * c * (4 + a) if naive else 0)
+    prefill += fresh
     verify = 2 * r * k * v_t * 4 + (r * h_t * k * c * (4 + a) if naive else 0)
-    add("collect", "target layers gathered over fsdp (2, bf16)", gathered)
+    add("collect", "target layers gathered over fsdp (2)", gathered)
+    add("collect", "LM head gathered over fsdp", head)
     add("collect", "prefill/verify temporaries", max(prefill, verify))
     return MemoryPlan(inputs=inp, terms=tuple(terms))
 
@@ -153,6 +166,8 @@ def format_plan(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
         f"batch {inp.batch_size} x seq {inp.seq_len}, {inp.num_anchors} anchors x block "
         f"{inp.block_size}, drafter {inp.drafter.num_layers} layers, remat={inp.remat}, "
         f"attention={inp.attention}",
+        "FORMULA estimate (plan/memory_estimate.py, no compile; `--compile SLICE` checks it "
+        "against the compiler):",
         f"{'phase':<11} {'term':<44} {'GiB/device':>10}",
     ]
     for term in plan.terms:
@@ -162,7 +177,7 @@ def format_plan(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
     budget = hbm_gib * (1 - headroom)
     verdict = "FITS" if plan.fits(hbm_gib * GIB, headroom) else "DOES NOT FIT"
     lines.append(
-        f"peak = persistent + max(train, collect) = {plan.peak_bytes / GIB:.2f} GiB; budget "
-        f"{budget:.2f} GiB ({hbm_gib:g} GiB HBM, {headroom:.0%} headroom): {verdict}"
+        f"peak (FORMULA) = persistent + max(train, collect) = {plan.peak_bytes / GIB:.2f} GiB; "
+        f"budget {budget:.2f} GiB ({hbm_gib:g} GiB HBM, {headroom:.0%} headroom): {verdict}"
     )
     return "\n".join(lines)

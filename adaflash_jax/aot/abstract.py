@@ -1,0 +1,78 @@
+"""A run's models and shapes, built abstractly (`eval_shape`) with the shardings a mesh gives
+them: what a deviceless compile lowers against. Nothing is allocated.
+
+The target shape comes from the run config the way the planner reads it (`target_shape`
+preset, a local `target_path`, or the embedded preset's architecture, which needs no build);
+the drafter is the run's fresh drafter (`distill.context.run_drafter_config`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.context import run_drafter_config
+from adaflash_jax.distill.state import abstract_drafter, tree_shardings
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.target import TargetLM
+from adaflash_jax.plan.inputs import target_from
+from adaflash_jax.sharding.rules import Rules
+from adaflash_jax.train.state import abstract_with_shardings
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def run_target(cfg: RunConfig) -> TargetConfig:
+    """The target architecture a run config names (no weights read)."""
+    return target_from(cfg)
+
+
+def run_drafter(cfg: RunConfig, target: TargetConfig) -> DrafterConfig:
+    """The run's fresh drafter; a config without a mask token (the embedded targets take
+    theirs from the tokenizer) gets the last vocabulary row, which changes no shape."""
+    mask = cfg.draft.mask_token_id
+    dcfg = run_drafter_config(cfg, target, target.vocab_size - 1 if mask is None else mask)
+    dcfg.validate_against(target)
+    return dcfg
+
+
+def sharded(tree, mesh: Mesh, rules: Rules):
+    """ShapeDtypeStructs of `tree` carrying the shardings `rules` give it on `mesh`."""
+    return abstract_with_shardings(tree, tree_shardings(tree, mesh, rules))
+
+
+def abstract_target(target: TargetConfig, dtype, mesh: Mesh, rules: Rules):
+    """(graphdef, sharded abstract Params) of the target, as `load_target(dtype=dtype)`."""
+    model = nnx.eval_shape(
+        lambda: TargetLM(target, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    )
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, sharded(params, mesh, rules)
+
+
+def abstract_drafter_params(dcfg: DrafterConfig, dtype, mesh: Mesh, rules: Rules, param_dtype):
+    """(graphdef, sharded abstract Params) of the drafter in `param_dtype` (training keeps
+    float32 masters; a serving engine may hold bf16)."""
+    graphdef, params = abstract_drafter(dcfg, dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params)
+    return graphdef, sharded(params, mesh, rules)
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def struct(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)

@@ -1,0 +1,217 @@
+"""Decoding programs as deviceless programs: regeneration, the speculative engine's step at
+each verify width, the plain (undrafted) engine step, and the drafter's block forward.
+
+Dimensions: B rows (slots), P padded prompt length, N new tokens, C cache capacity, W verify
+width, K block size.
+
+Each is the project's own jitted entry point: `decode.generate.generate_jit` (regeneration),
+`decode.speculative.jitted("run_loop")` (the engine's device loop, built by
+`decode.slots.SpeculativeEngine` from abstract models), `jitted("prefill_slots")` (its
+prefill) and `Drafter.draft`. The engine loop
+runs one step per iteration; XLA's cost analysis counts a while loop's body once, so its
+figures are one step's (plus the loop's small prologue). For a per-width figure the loop is
+compiled with a single bucket W (`EngineSpec` then caps every verify at W): the serving engine
+picks among all buckets with a `lax.switch`, whose cost analysis cannot say which branch runs.
+The engine's own arrays (caches, outputs) are created unsharded by `init_state`, so they are
+lowered without a sharding and the compiler chooses their layout, as it does at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from adaflash_jax.aot.abstract import (
+    abstract_drafter_params,
+    abstract_target,
+    per_chip_bytes,
+    struct,
+)
+from adaflash_jax.aot.program import Program
+from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit
+from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.sharding.rules import Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """Sharded abstract target and drafter, and the modules an engine is built around."""
+
+    target_cfg: TargetConfig
+    drafter_cfg: DrafterConfig
+    target: tuple  # (graphdef, sharded abstract params)
+    drafter: tuple
+    target_module: nnx.Module  # abstract modules (ShapeDtypeStruct values)
+    drafter_module: nnx.Module
+
+    @property
+    def target_bytes(self) -> int:
+        return per_chip_bytes(self.target[1])
+
+    @property
+    def drafter_bytes(self) -> int:
+        return per_chip_bytes(self.drafter[1])
+
+
+def models(target_cfg, drafter_cfg, mesh: Mesh, rules: Rules, *, dtype, drafter_param_dtype):
+    target = abstract_target(target_cfg, dtype, mesh, rules)
+    drafter = abstract_drafter_params(drafter_cfg, dtype, mesh, rules, drafter_param_dtype)
+    return Models(
+        target_cfg=target_cfg,
+        drafter_cfg=drafter_cfg,
+        target=target,
+        drafter=drafter,
+        target_module=nnx.merge(*target),
+        drafter_module=nnx.merge(*drafter),
+    )
+
+
+def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) -> Program:
+    """The regeneration program (`generate_jit`, greedy): prefill + the decode while loop."""
+    p = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+    rows = lambda dtype: struct((batch,), dtype)  # noqa: E731
+    args = (
+        *m.target,
+        struct((batch, p), jnp.int32),
+        rows(jnp.int32),
+        rows(jnp.int32),
+        rows(jnp.float32),
+        rows(jnp.float32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    static = dict(
+        max_new_tokens=max_new,
+        capacity=p + max_new,
+        eos_ids=tuple(m.target_cfg.eos_token_ids) or (0,),
+        greedy=True,
+        nucleus=False,
+    )
+    return Program(
+        name="generate",
+        kind="decode",
+        fn=generate_jit,
+        args=args,
+        static=static,
+        weight_bytes=m.target_bytes,
+        rows=batch,
+        notes=(
+            f"batch {batch}, prompt {p}, {max_new} new tokens; counts the prefill plus one "
+            "decode step (the loop body once)",
+        ),
+    )
+
+
+def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: bool):
+    return SpeculativeEngine(
+        m.target_module,
+        m.drafter_module if drafted else None,
+        slots=slots,
+        capacity=capacity,
+        buckets=DEFAULT_BUCKETS,
+        policy="fixed",
+        temperature=temperature,
+        eos_ids=(0,),
+    )
+
+
+def _loop_program(m: Models, engine, spec, name: str, width: int) -> Program:
+    drafted = engine.drafter is not None
+    state = jax.eval_shape(lambda: engine.init_state(0))
+    args = (
+        *m.target,
+        *(m.drafter if drafted else (None, None)),
+        state,
+        struct((), jnp.bool_),
+        struct((), jnp.int32),
+    )
+    return Program(
+        name=name,
+        kind="decode",
+        fn=sp.jitted("run_loop"),
+        args=args,
+        static=dict(spec=spec),
+        weight_bytes=m.target_bytes + (m.drafter_bytes if drafted else 0),
+        rows=engine.slots,
+        width=width,
+        notes=(f"{engine.slots} slots, cache {engine.capacity}",),
+    )
+
+
+def engine_programs(
+    m: Models, *, slots: int, capacity: int, temperature: float = 0.0, widths=None
+) -> list[Program]:
+    """The engine's drafted step pinned to each verify bucket (default: all of them)."""
+    engine = _engine(m, slots, capacity, temperature, drafted=True)
+    out = []
+    for w in widths or engine.buckets:
+        spec = dataclasses.replace(engine.spec, buckets=(w,))
+        p = _loop_program(m, engine, spec, f"engine W={w} B={slots}", w)
+        if w == 1:  # nothing reads the drafts, so XLA drops the drafter forward
+            p = dataclasses.replace(p, notes=(*p.notes, "W=1 pinned: no draft verified"))
+        out.append(p)
+    return out
+
+
+def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) -> Program:
+    """The engine's prefill of every slot at once (its first call: all slots free), prompts
+    padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""
+    engine = _engine(m, slots, capacity, 0.0, drafted=True)
+    p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
+    state = jax.eval_shape(lambda: engine.init_state(0))
+    rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
+    args = (*m.target, *m.drafter, state, rows(), struct((slots, p), jnp.int32), rows(), rows())
+    return Program(
+        name=f"prefill B={slots}",
+        kind="decode",
+        fn=sp.jitted("prefill_slots"),
+        args=args,
+        static=dict(spec=engine.spec.prefill_spec),
+        weight_bytes=m.target_bytes + m.drafter_bytes,
+        rows=slots,
+        notes=(f"{slots} prompts of {p} tokens into a cache of {capacity}",),
+    )
+
+
+def plain_program(m: Models, *, slots: int, capacity: int) -> Program:
+    """The engine's plain decoding step (no drafter): one token per row."""
+    engine = _engine(m, slots, capacity, 0.0, drafted=False)
+    return _loop_program(m, engine, engine.spec, f"plain B={slots}", 1)
+
+
+def _draft(tdef, tstate, ddef, dstate, cache, bonus_B):
+    target, drafter = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
+    return drafter.draft(cache, bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+
+
+_draft_jit = jax.jit(_draft, static_argnames=("tdef", "ddef"))
+
+
+def draft_program(m: Models, *, slots: int, capacity: int) -> Program:
+    """`Drafter.draft`: one block forward after each row's bonus token."""
+    cache = jax.eval_shape(lambda: m.drafter_module.init_context_cache(slots, capacity))
+    args = (*m.target, *m.drafter, cache, struct((slots,), jnp.int32))
+    return Program(
+        name=f"draft B={slots}",
+        kind="decode",
+        fn=_draft_jit,
+        args=args,
+        weight_bytes=m.drafter_bytes + per_chip_bytes(_head_tables(m)),
+        rows=slots,
+        notes=(f"{slots} rows, context cache {capacity}",),
+    )
+
+
+def _head_tables(m: Models):
+    """The target tables the drafter borrows (embedding, LM head): read by every draft."""
+    params = m.target[1]
+    tables = [params["embed_tokens"]]
+    if "lm_head" in params:
+        tables.append(params["lm_head"])
+    return tables

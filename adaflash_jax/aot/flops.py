@@ -1,0 +1,73 @@
+"""Useful model FLOPs of one train step: the numerator of model FLOPs utilisation (MFU).
+
+Dimensions: B sequences per step, S sequence length, N anchors per sequence, K block size,
+P = K − 1 label positions per block, D width, F MLP width, H query heads, Kv kv heads,
+Dh head dim, V vocab, L target layers, Ld drafter layers, nD concatenated features.
+
+What counts as useful (a multiply-add is 2 FLOPs):
+- target forward over all B·S tokens: every layer's matmuls (2 · layer matmul weights per
+  token) and causal attention (QKᵀ and PV over the S·(S+1)/2 visible pairs: 4·H·Dh per pair);
+  no LM head over the sequence (the step never computes those logits);
+- teacher logits (head init, stage 2): 2·D·V at each of the B·N·P label positions;
+- drafter forward: the feature projection (2·nD·D per context token), every layer's context
+  keys/values (2·D·2·Kv·Dh per context token), its matmuls over the B·N·K block tokens, and
+  attention over the keys a block may see: the context before its anchor — taken as S/2 on
+  average, anchors being spread over the sequence — plus its own K tokens (4·H·Dh per pair);
+- drafter logits: 2·D·V at each label position (the borrowed, frozen LM head).
+The backward pass counts 2× the forward for what is trained (the drafter in stage 1 and
+stage 2) and 1× for the logits (a gradient reaches the hidden states, none the frozen head).
+Head init trains only the length head: its drafter runs forward only. The length head itself
+(a few hundred thousand weights) is left out. Masked-out work the code still computes (a dense
+block mask, padded positions) is NOT useful: that gap is what MFU should show.
+"""
+
+from __future__ import annotations
+
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.model.config import TargetConfig
+
+
+def _layer_matmul(d: int, f: int, h: int, kv: int, dh: int) -> int:
+    """Matmul weights of one Qwen3/Llama decoder layer (q, k, v, o, gate, up, down)."""
+    return 2 * d * h * dh + 2 * d * kv * dh + 3 * d * f
+
+
+def target_forward(t: TargetConfig, b: int, s: int) -> float:
+    per_layer = _layer_matmul(
+        t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads,
+        t.head_dim,
+    )  # fmt: skip
+    matmul = 2.0 * per_layer * b * s
+    attention = 4.0 * t.num_attention_heads * t.head_dim * b * s * (s + 1) / 2
+    return t.num_hidden_layers * (matmul + attention)
+
+
+def drafter_forward(dc: DrafterConfig, b: int, s: int, n: int) -> float:
+    d, k = dc.hidden_size, dc.block_size
+    h, kv, dh = dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim
+    q = b * n * k  # block tokens
+    fc = 2.0 * dc.num_features * d * d * b * s
+    per_layer = (
+        2.0 * d * 2 * kv * dh * b * s  # context keys/values
+        + 2.0 * _layer_matmul(d, dc.intermediate_size, h, kv, dh) * q
+        + 4.0 * h * dh * q * (s / 2 + k)  # visible context (S/2 on average) + own block
+    )
+    return fc + dc.num_hidden_layers * per_layer
+
+
+def logits(d: int, v: int, positions: int) -> float:
+    return 2.0 * d * v * positions
+
+
+def train_step(kind: str, t: TargetConfig, dc: DrafterConfig, b: int, s: int, n: int) -> float:
+    """Useful FLOPs of one step of `kind` (stage1 | head_init | stage2) over the whole batch."""
+    labels = b * n * (dc.block_size - 1)
+    lm = logits(t.hidden_size, t.vocab_size, labels)
+    total = target_forward(t, b, s)
+    if kind == "stage1":
+        return total + 3 * drafter_forward(dc, b, s, n) + 2 * lm
+    if kind == "head_init":
+        return total + lm + drafter_forward(dc, b, s, n) + lm
+    if kind == "stage2":
+        return total + lm + 3 * drafter_forward(dc, b, s, n) + 2 * lm
+    raise ValueError(f"unknown step kind {kind!r}")

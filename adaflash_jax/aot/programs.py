@@ -1,0 +1,121 @@
+"""Which programs to compile: those a distillation run executes, or a serving cost table.
+
+`run_programs(cfg, mesh)`: the run's train steps (stage 1, head init, stage 2), the
+regeneration program, the speculative engine's prefill of all slots and its step at every
+verify width, at the configured slots (collection `stage2.collect_slots`; evaluation
+`eval.slots` when it differs), and the drafter's block forward, all on the run's mesh under
+TRAIN_RULES as the run shards them.
+
+`serve_programs(...)`: decoding with tensor-parallel weights (DECODE_RULES, mesh
+(1, 1, chips)): per row count B the engine's plain step, the drafter forward and the drafted
+step at each width — the verify-step table `cost_table` turns into a goodput / projection
+cost table (`adaflash_jax.verify_cost/1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from adaflash_jax.aot import decode_programs as dp
+from adaflash_jax.aot.abstract import DTYPES, run_drafter, run_target
+from adaflash_jax.aot.program import Program
+from adaflash_jax.aot.report import LABEL, Figures
+from adaflash_jax.aot.train_programs import train_programs
+from adaflash_jax.decode.slots import DEFAULT_BUCKETS
+from adaflash_jax.decode.speculative import bucket_set
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.plan.inputs import engine_capacity
+from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
+
+GROUPS = ("train", "generate", "prefill", "engine", "draft")
+
+
+def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS) -> list[Program]:
+    out = []
+    if "train" in groups:
+        out += train_programs(cfg, mesh)
+    target = run_target(cfg)
+    dtype = DTYPES[cfg.compute_dtype]
+    # the run's decoders read the training state: fp32 drafter masters, target under TRAIN_RULES
+    m = dp.models(
+        target, run_drafter(cfg, target), mesh, TRAIN_RULES, dtype=dtype,
+        drafter_param_dtype=jnp.float32,
+    )  # fmt: skip
+    d = cfg.data
+    if "generate" in groups:
+        out.append(
+            dp.generate_program(
+                m, batch=d.regen_batch, prompt_len=d.max_prompt_len, max_new=d.max_new_tokens
+            )
+        )
+    cap = engine_capacity(cfg)
+    slots = [(cfg.stage2.collect_slots, cfg.stage2.collect_temperature, "collection")]
+    if cfg.eval.slots != cfg.stage2.collect_slots:
+        slots.append((cfg.eval.slots, 0.0, "evaluation"))
+    for n, temperature, use in slots:
+        used = cfg.stage2.collector if use == "collection" else cfg.eval.backend
+        note = f"{use}: " + ("this run's engine" if used == "engine" else "run uses replay")
+        if "prefill" in groups:
+            p = dp.prefill_program(m, slots=n, capacity=cap, prompt_len=d.max_prompt_len)
+            out.append(_noted(p, note))
+        if "engine" in groups:
+            for p in dp.engine_programs(m, slots=n, capacity=cap, temperature=temperature):
+                out.append(_noted(p, note))
+        if "draft" in groups:
+            out.append(_noted(dp.draft_program(m, slots=n, capacity=cap), note))
+    return out
+
+
+def _noted(p: Program, note: str) -> Program:
+    return dataclasses.replace(p, notes=(*p.notes, note))
+
+
+def serve_programs(
+    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None
+) -> list[Program]:
+    """Per row count: the plain step, the drafter forward, the drafted step per width > 1."""
+    target = run_target(cfg)
+    m = dp.models(
+        target, run_drafter(cfg, target), mesh, DECODE_RULES, dtype=jnp.bfloat16,
+        drafter_param_dtype=jnp.bfloat16,
+    )  # fmt: skip
+    k = m.drafter_cfg.block_size
+    widths = [w for w in (widths or bucket_set(DEFAULT_BUCKETS, k)) if w > 1]
+    out = []
+    for b in rows:
+        out.append(dp.plain_program(m, slots=b, capacity=capacity))
+        out.append(dp.draft_program(m, slots=b, capacity=capacity))
+        out += dp.engine_programs(m, slots=b, capacity=capacity, widths=widths)
+    return out
+
+
+def cost_table(figs: list[Figures], *, device: str, model: str) -> VerifyCostTable:
+    """The verify-step table in goodput's format (`decode/verify_cost.py`) from the serve
+    programs' estimates, with the engine-step calibration's meaning (`decode/step_cost.py`):
+    verify[1] is the plain step, draft the drafter's block forward, and verify[W] = drafted
+    step at W − draft. (A drafted step pinned to W = 1 verifies no draft, so XLA drops its
+    drafter forward: it is not compiled here.)"""
+    est = {f.program: f.optimal_seconds * 1e3 for f in figs if f.compiled}
+    missing = [f.program for f in figs if not f.compiled]
+    if missing:
+        raise ValueError(f"no estimate for {missing}: the compiler refused them")
+    rows = sorted({f.rows for f in figs if f.program.startswith("plain")})
+    widths = sorted({f.width for f in figs if f.program.startswith("engine")})
+    verify, draft = [], []
+    for b in rows:
+        d = est[f"draft B={b}"]
+        draft.append(d)
+        drafted = [max(est[f"engine W={w} B={b}"] - d, 1e-6) for w in widths]
+        verify.append((est[f"plain B={b}"], *drafted))
+    return VerifyCostTable(
+        rows=tuple(rows),
+        widths=(1, *widths),
+        verify_ms=tuple(verify),
+        draft_ms=tuple(draft),
+        device=f"{device}: {LABEL}",
+        model=model,
+    )

@@ -1,0 +1,183 @@
+"""Deviceless TPU compiles (libtpu, no TPU attached): slice names, the chip table, and the
+tiny config's stage-1 / stage-2 steps and engine step compiled for a v5p:2x2x1 slice, with
+the compiler's memory figures checked against the sharded shapes the project gives them."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from adaflash_jax.aot import chips, flops
+from adaflash_jax.aot import programs as P
+from adaflash_jax.aot.abstract import per_chip_bytes, run_drafter, run_target
+from adaflash_jax.aot.report import Figures, compile_program
+from adaflash_jax.aot.topology import parse_slice, slice_devices
+from adaflash_jax.aot.train_programs import train_programs
+from adaflash_jax.distill.config import load_config
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.plan import estimate, inputs_from_config
+from adaflash_jax.plan.advice import CHIP_HBM_GIB
+from adaflash_jax.plan.compiled import compile_phases, format_compiled
+from adaflash_jax.train.mesh import make_mesh
+from experiments import plan as plan_cli
+
+TINY = "experiments/configs/tiny.py"
+
+
+def test_slice_names():
+    v5p = parse_slice("v5p-64")
+    assert (v5p.chips, v5p.topology, v5p.chips_per_host_bounds) == (32, "v5p:2x4x4", (2, 2, 1))
+    assert v5p.hosts == 8  # Google's table: v5p-64 = 32 chips on 8 hosts
+    assert parse_slice("v5p-8").topology == "v5p:2x2x1"
+    assert parse_slice("v5p-128").topology == "v5p:4x4x4"
+    assert parse_slice("v5e-256").topology == "v5e:16x16"
+    assert parse_slice("v5litepod-8").topology == "v5e:2x4"
+    six = parse_slice("v6e-64")
+    assert (six.topology, six.chips_per_host_bounds, six.hosts) == ("v6e:8x8", (2, 4, 1), 8)
+    assert parse_slice("v6e-4").chips_per_host_bounds == (2, 2, 1)
+    raw = parse_slice("v5p:4x4x2")
+    assert (raw.chips, raw.chip.name) == (32, "v5p")
+    for bad in ("v5p-6", "v4-8", "v5e:2x2x2", "v6e-3", "h100"):
+        with pytest.raises(ConfigError, match="accepted: v5p-8"):
+            parse_slice(bad)
+
+
+def test_one_chip_table():
+    assert CHIP_HBM_GIB == {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+    v5p = chips.chip("v5p")
+    assert (v5p.hbm_bandwidth, v5p.bf16_peak, v5p.cores_per_chip) == (2765e9, 459e12, 2)
+    assert "cloud.google.com/tpu/docs/v5p" in chips.markdown_table()
+
+
+def test_abstract_devices_match_the_slice():
+    for name, kind in (("v5p-8", "TPU v5"), ("v5e-8", "TPU v5 lite"), ("v6e-4", "TPU v6 lite")):
+        s = parse_slice(name)
+        devices = slice_devices(s)
+        assert len(devices) == s.chips and devices[0].device_kind == kind
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(TINY)
+    s = parse_slice("v5p:2x2x1")
+    mesh = make_mesh(*cfg.resolve_mesh(s.chips), devices=slice_devices(s))
+    return cfg, s, mesh
+
+
+@pytest.fixture(scope="module")
+def phases(tiny):
+    """The planner's compiled phases: the tiny run's stage-2 step, engine step (W = K) and
+    engine prefill."""
+    cfg, s, _ = tiny
+    return compile_phases(cfg, s)
+
+
+def _check_train_step(f, program, kind, cfg, s):
+    assert f.compiled, f.error
+    # the compiler's arguments are the sharded state + batch we lowered against (TPU layouts
+    # pad small arrays a little), and the donated state comes back in place (aliased)
+    state, batch = program.args
+    assert f.argument_bytes == pytest.approx(per_chip_bytes((state, batch)), rel=0.01)
+    assert f.alias_bytes >= 0.99 * per_chip_bytes(state)
+    assert 0 < f.temp_bytes < f.hbm_bytes and f.fits and 0 < f.headroom < 1
+    assert f.optimal_seconds > 0 and f.bytes_accessed > 0
+    target = run_target(cfg)
+    useful = flops.train_step(
+        kind, target, run_drafter(cfg, target), cfg.batch_size, cfg.seq_len, cfg.num_anchors
+    )
+    assert f.useful_flops == pytest.approx(useful / s.chips)
+    assert f.flops >= 0.9 * f.useful_flops  # XLA counts the useful work (and masked pairs)
+    assert 0 < f.mfu < 1 and f.tokens_per_s_per_chip > 0
+
+
+def test_stage1_step_compiles_for_tpu(tiny):
+    cfg, s, mesh = tiny
+    (p,) = train_programs(cfg, mesh, kinds=("stage1",))
+    _check_train_step(compile_program(p, s.chip, s.chips), p, "stage1", cfg, s)
+
+
+def test_stage2_and_engine_steps_compile_for_tpu(tiny, phases):
+    cfg, s, mesh = tiny
+    (stage2,) = train_programs(cfg, mesh, kinds=("stage2",))
+    _check_train_step(phases.train, stage2, "stage2", cfg, s)
+    engine, prefill = phases.collect
+    assert engine.program == "engine W=8 B=16" and engine.compiled, engine.error
+    assert engine.argument_bytes >= engine.weight_bytes > 0 and engine.fits
+    assert engine.flops > 0 and engine.optimal_seconds > 0
+    assert engine.vs_floor > 1  # nothing beats reading the weights once
+    assert prefill.program == "prefill B=16" and prefill.compiled and prefill.fits
+    # the planner's collect phase: the larger engine program plus the AdamW moments
+    assert phases.moments_bytes == per_chip_bytes(stage2.args[0].opt_state) > 0
+    biggest = max(engine.total_bytes, prefill.total_bytes)
+    assert phases.collect_bytes == biggest + phases.moments_bytes
+    assert phases.peak_bytes == max(phases.train_bytes, phases.collect_bytes)
+
+
+def test_plan_prints_the_compiled_peak(tiny, phases):
+    cfg, s, _ = tiny
+    plan = estimate(inputs_from_config(cfg, devices=s.chips))
+    text = format_compiled(phases, plan, 95.0, 0.1)
+    assert "COMPILED" in text and "engine W=8 B=16" in text and "FITS" in text
+
+
+def test_plan_compile_flag_checks_its_input(capsys):
+    base = ["--config", TINY, "--compile"]
+    assert plan_cli.main([*base, "v5p-9"]) == 2
+    assert plan_cli.main([*base, "v5p-8", "--devices", "8"]) == 2
+    assert plan_cli.main([*base, "v5p-8", "--logits-chunk", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "accepted: v5p-8" in err and "has 4 chips" in err and "logits_chunk" in err
+
+
+def test_cost_table_follows_the_engine_step_calibration():
+    def fig(name, ms, rows, width):
+        return Figures(program=name, kind="decode", hbm_bytes=1, chips=1, compiled=True,
+                       optimal_seconds=ms / 1e3, rows=rows, width=width)  # fmt: skip
+
+    figs = [fig("plain B=1", 2.0, 1, 1), fig("draft B=1", 0.7, 1, 0)]
+    figs += [fig(f"engine W={w} B=1", 2.5 + 0.1 * w, 1, w) for w in (2, 4)]
+    table = P.cost_table(figs, device="v5p:2x2x1", model="test")
+    # step_cost's meaning: verify[1] = the plain step; draft + verify[W] = the drafted step
+    assert table.widths == (1, 2, 4) and table.draft_ms == pytest.approx((0.7,))
+    assert table.verify_ms[0] == pytest.approx((2.0, 2.7 - 0.7, 2.9 - 0.7))
+    assert table.step_ms(1, (2,))[0] == pytest.approx(2.7, rel=1e-6)
+    assert "compiler estimate" in table.device
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.tpu_compile", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_bad_input_is_one_line():
+    for args, want in (
+        (["--topology", "v5p-7"], "accepted: v5p-8"),
+        (["--topology", "v5p-8", "--set", "batch_size=6"], "batch_size 6 is not divisible"),
+        (["--topology", "v5p-8", "--only", "eval"], "--only takes"),
+    ):
+        out = _cli(*args)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().count("\n") == 0 and want in out.stderr
+
+
+def test_cli_writes_the_report(tmp_path):
+    path = tmp_path / "tiny.json"
+    out = _cli("--topology", "v5p-8", "--only", "draft", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "compiler estimates" in out.stdout and "| draft B=16 |" in out.stdout
+    data = json.loads(path.read_text())
+    assert data["label"].startswith("compiler estimates") and data["uncosted_kernels"] == []
+    assert data["topology"] == "v5p:2x2x1" and data["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    (draft,) = data["programs"]
+    assert draft["fits"] and draft["optimal_seconds"] > 0 and draft["estimated_over_floor"] > 1
+
+
+def test_jax_backend_stays_cpu():
+    # loading libtpu for deviceless compiles never initialises a TPU backend here
+    assert jax.default_backend() == "cpu"
