@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from adaflash_jax.decode.state import EngineSpec, SpecState
+from adaflash_jax.decode.state import SpecState
 from adaflash_jax.decode.step import commit_tokens, decode_loop
 from adaflash_jax.decode.tokens import pick_tokens
 
@@ -25,18 +25,13 @@ def _merge(model):
     return None if model is None else nnx.merge(*model)
 
 
-def programs(spec: EngineSpec) -> tuple:
-    """The loop programs the engine switches between: the policy's own, else its drafted
-    loop alone."""
-    return spec.policy.programs or (decode_loop,)
-
-
 @functools.partial(jax.jit, static_argnames=("spec", "program"), donate_argnames=("s",))
 def run_loop(target, drafter, s: SpecState, stop_on_finish, max_steps, *, spec, program=0):
-    """Runs loop program `program` of `programs(spec)` until no slot is active, `max_steps`
-    ran, (if `stop_on_finish`) a slot finished, or the policy wants another program.
-    Returns (state, steps run, slots finished, the program to run next)."""
-    run = programs(spec)[program]
+    """Runs loop program `program` (an index into the policy's programs, or the engine's
+    drafted loop for a policy without its own) until no slot is active, `max_steps` ran, (if
+    `stop_on_finish`) a slot finished, or the policy wants another program. Returns (state,
+    steps run, slots finished, the program to run next)."""
+    run = (spec.policy.programs or (decode_loop,))[program]
     return run(_merge(target), _merge(drafter), s, spec, stop_on_finish, max_steps)
 
 

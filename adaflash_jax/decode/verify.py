@@ -15,17 +15,15 @@ target and context entries padded to K; the step writes both caches after the sw
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
-def _pad_to(kv, width: int):
-    """Zero-pads axis 1 of every array in a (k, v) pair of per-layer tuples to `width`."""
-
-    def pad(x):
-        return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-
-    return tuple(tuple(pad(x) for x in xs) for xs in kv)
+def _pad_to(width: int, x_BxWx):
+    """Zero-pads axis 1 to `width`."""
+    return jnp.pad(x_BxWx, [(0, 0), (0, width - x_BxWx.shape[1])] + [(0, 0)] * (x_BxWx.ndim - 2))
 
 
 def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
@@ -54,8 +52,8 @@ def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
             return (
                 accepted_B.astype(jnp.int32),
                 bonus_B.astype(jnp.int32),
-                _pad_to(out.new_kv, k),
-                _pad_to(ctx_kv, k),
+                jax.tree.map(functools.partial(_pad_to, k), out.new_kv),
+                jax.tree.map(functools.partial(_pad_to, k), ctx_kv),
             )
 
         return run
