@@ -55,7 +55,8 @@ class Draft:
     head_accept_BxKm1: jax.Array | None  # per-position acceptance from the head, if read
     active_B: jax.Array  # bool: the slot holds an unfinished request
     num_running: jax.Array  # int32 scalar: active slots
-    buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())  # the engine's
+    # the engine's verify widths (static)
+    buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
     @property
     def block_size(self) -> int:

@@ -136,7 +136,8 @@ class SpeculativeEngine:
         )
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
-        self.learnt = None  # the policy state the latest `generate` ended with
+        # the policy state the latest `generate` ended with (None: none, or a stateless policy)
+        self.learnt = None
         self.last_run: dict = {}  # loop steps / device calls / probes of the latest `generate`
         self._program = 0  # the loop program `run` continues with
 

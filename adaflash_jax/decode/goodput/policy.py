@@ -10,13 +10,11 @@ table's draft + verify time (`verify_cost.VerifyCostTable`).
 
 With `skip_draft` (the "don't speculate" arm), before drafting it compares the best
 expected rate of a drafted step against a plain target step (width 1, no drafter forward),
-from each row's estimates of its LATEST drafter forward (a fresh request starts at the
-engine's running mean of drafted rows' estimates, 1 before any draft), calibrated to the
-row's realised acceptance (`calibration.py`). While it runs plain steps it refreshes the
-estimates every `probe_interval` steps with a probe (one drafter forward, no verify). That
-decision depends only on earlier steps, never on this step's samples, and an undrafted step
-is exactly a plain decoding step, so decoding stays lossless. The engine runs the arm as two
-loop programs (`skip.py`). Without the arm the policy keeps no state.
+from each row's estimates of its latest drafter forward (a drafted step's or a probe's; a
+fresh request starts at the engine's running mean, 1 before any), calibrated to the row's
+realised acceptance (`calibration.py`). The decision reads earlier steps only and an
+undrafted step is exactly a plain decoding step, so decoding stays lossless. The engine runs
+the arm as two loop programs (`skip.py`). Without the arm the policy keeps no state.
 
 Acceptance estimators (per-position acceptance probability a_i of draft i):
 - "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
