@@ -26,9 +26,11 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.decode import programs
+from adaflash_jax.decode.drafting import EngineDrafter
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError
 from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set, init_state, policy_slots
 from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
+from adaflash_jax.model.target import TargetLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 NO_LIMIT = 2**30
@@ -76,8 +78,8 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        target,
-        drafter,
+        target: TargetLM,
+        drafter: EngineDrafter | None,
         *,
         slots: int,
         capacity: int,
