@@ -56,7 +56,7 @@ def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int, repeats: int):
-    graphdef, state = split_target(model)
+    target = split_target(model)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
 
@@ -66,7 +66,7 @@ def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int
             model.config, prompts, max_new_tokens=n, eos_ids=(), capacity=prompt_len + new_tokens
         )
         key = jax.random.key(0)
-        run = lambda: generate_jit(graphdef, state, *prepared.arrays, key, **prepared.static)  # noqa: E731
+        run = lambda: generate_jit(target, *prepared.arrays, key, **prepared.static)  # noqa: E731
         return statistics.median(time_callable(run, repeats))
 
     t_full, t_one = median_seconds(new_tokens), median_seconds(1)

@@ -17,9 +17,11 @@ import os
 
 import jax.numpy as jnp
 
+from adaflash_jax.decode.build import POLICY_NAMES, build_engine
 from adaflash_jax.decode.generate import GenerateError, generate
-from adaflash_jax.decode.policies import ESTIMATORS, POLICY_NAMES, PolicyError
-from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
+from adaflash_jax.decode.goodput.policy import ESTIMATORS
+from adaflash_jax.decode.policy import PolicyError
+from adaflash_jax.decode.slots import EngineError
 from adaflash_jax.model.checkpoint import CheckpointError, load_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.tokenizer import Tokenizer, TokenizerError
@@ -115,7 +117,7 @@ def speculative(args, model, prompts, eos):
         raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
     k = args.block_size or drafter.config.block_size
     need = max(len(p) for p in prompts) + args.max_new_tokens + k
-    engine = SpeculativeEngine(
+    engine = build_engine(
         model,
         drafter,
         slots=args.slots or len(prompts),

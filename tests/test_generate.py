@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.decode.generate import GenerateError, generate
-from adaflash_jax.decode.sampling import logits_to_probs as _logits_to_probs
-from adaflash_jax.decode.sampling import sample_tokens as _sample_tokens
+from adaflash_jax.decode.tokens import logits_to_probs as _logits_to_probs
+from adaflash_jax.decode.tokens import pick_tokens as _pick_tokens
 from adaflash_jax.model.checkpoint import load_target, save_target
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
@@ -21,7 +21,7 @@ from experiments import generate as generate_cli
 
 # Jitted: one compile per shape instead of eager dispatch of every op.
 logits_to_probs = jax.jit(_logits_to_probs)
-sample_tokens = jax.jit(_sample_tokens)
+pick_tokens = jax.jit(_pick_tokens)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
 
 
@@ -50,18 +50,18 @@ def test_top_p_keeps_the_smallest_head_reaching_p():
     np.testing.assert_array_equal(np.asarray(tiny[0]), [0, 1, 0])
 
 
-def test_sampling_frequencies_follow_logits_to_probs():
+def test_picked_token_frequencies_follow_logits_to_probs():
     n = 40_000
     logits_1xV = jnp.asarray(np.log(PROBS))[None]
     for temperature, top_p in ((0.7, 1.0), (1.3, 0.85)):
         want = np.asarray(logits_to_probs(logits_1xV, temperature, top_p))[0]
-        draws = sample_tokens(jax.random.key(0), jnp.tile(logits_1xV, (n, 1)), temperature, top_p)
+        draws = pick_tokens(jax.random.key(0), jnp.tile(logits_1xV, (n, 1)), temperature, top_p)
         freq = np.bincount(np.asarray(draws), minlength=4) / n
         sigma = np.sqrt(want * (1 - want) / n)
         assert np.all(np.abs(freq - want) <= 5 * sigma + 1e-12), (freq, want)
         assert np.all(freq[want == 0] == 0)  # filtered tokens are never drawn
     assert (top_p_set := set(np.flatnonzero(want))) == {0, 1, 2}, top_p_set
-    greedy = sample_tokens(jax.random.key(1), jnp.tile(logits_1xV, (8, 1)), 0.0, 0.5)
+    greedy = pick_tokens(jax.random.key(1), jnp.tile(logits_1xV, (8, 1)), 0.0, 0.5)
     np.testing.assert_array_equal(np.asarray(greedy), 0)
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch, split_target
-from adaflash_jax.decode.sampling import sample_tokens
+from adaflash_jax.decode.tokens import pick_tokens
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
 
@@ -92,6 +92,36 @@ def test_per_row_rollback_and_ragged_extend(model):
     np.testing.assert_allclose(nxt.logits_BxTxV[1], full.logits_BxTxV[1, 7:10], atol=ATOL)
 
 
+def test_read_mode_equals_write_mode(model):
+    """The "read" cache mode (what the engine verifies with inside `lax.switch`) == the
+    "write" mode: same logits and features (the last layer's post-norm included), and
+    `KVCache.write` of its new entries == the cache the write mode returns, on ragged
+    lengths with a ragged commit."""
+    lengths = jnp.array([9, 4, 1])
+    layers = (0, CFG.num_hidden_layers - 1)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def both(state, prompt, tokens):
+        target = nnx.merge(graphdef, state)
+        cache = target(prompt, cache=target.init_cache(3, 24), num_new_B=lengths).cache
+        advance = jnp.array([4, 2, 1])
+        want = target(tokens, cache=cache, num_new_B=advance, feature_layers=layers)
+        got = target(tokens, cache=cache, cache_mode="read", feature_layers=layers)
+        return want, got, cache.write(*got.new_kv, advance=advance)
+
+    want, got, written = both(state, _tokens(3, 9, seed=5), _tokens(3, 4, seed=6))
+    assert got.cache is None and want.new_kv is None
+    np.testing.assert_allclose(got.logits_BxTxV, want.logits_BxTxV, atol=ATOL)
+    np.testing.assert_allclose(got.features_BxTxnD, want.features_BxTxnD, atol=ATOL)
+    np.testing.assert_array_equal(written.lengths, want.cache.lengths)
+    for got_k, want_k in zip(written.k + written.v, want.cache.k + want.cache.v):
+        for b, n in enumerate([9, 4, 1]):  # committed prefix + the 4 new entries
+            np.testing.assert_allclose(got_k[b, : n + 4], want_k[b, : n + 4], atol=1e-6)
+    with pytest.raises(ValueError, match="cache_mode"):
+        model(_tokens(1, 1), cache=model.init_cache(1, 4), cache_mode="append")
+
+
 def test_ragged_batch_equals_each_prompt_alone(model):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, V, n).tolist() for n in (3, 9, 14)]
@@ -137,7 +167,7 @@ def _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, seed):
     outputs, done = [[] for _ in range(b)], [False] * b
     while True:
         rng, key = jax.random.split(rng)
-        tok = sample_tokens(key, logits_BxV, jnp.asarray(temps), jnp.asarray(top_ps)).tolist()
+        tok = pick_tokens(key, logits_BxV, jnp.asarray(temps), jnp.asarray(top_ps)).tolist()
         for i in range(b):
             if not done[i]:
                 outputs[i].append(tok[i])
@@ -158,12 +188,11 @@ def test_sampled_while_loop_equals_python_loop(model):
     greedy = no_eos[0]
     eos = (greedy[4],)  # row 0 (greedy) must stop at its 5th token or earlier
     expected, ref_cache = _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, 7)
-    graphdef, state = split_target(model)
     batch = prepare_batch(
         CFG, prompts, max_new_tokens=max_new, temperature=temps, top_p=top_ps, eos_ids=eos
     )
-    final = generate_jit(graphdef, state, *batch.arrays, jax.random.key(7), **batch.static)
-    got = [final.tokens_BxN[i, : final.num_out_B[i]].tolist() for i in range(3)]
+    final = generate_jit(split_target(model), *batch.arrays, jax.random.key(7), **batch.static)
+    got = [final.tokens_BxT[i, : final.num_out_B[i]].tolist() for i in range(3)]
     assert got == expected
     assert got[0] == greedy[: greedy.index(eos[0]) + 1]
     # Finished rows stop advancing: committed = prompt + outputs − the last (never fed) token.

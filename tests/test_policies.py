@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode import calibration, policies, step_cost, verify_cost
-from adaflash_jax.decode import speculative as sp
-from adaflash_jax.decode.policies import (
-    AdaFlashPolicy,
-    FixedPolicy,
+from adaflash_jax.decode import verify_cost
+from adaflash_jax.decode.build import build_engine, make_policy
+from adaflash_jax.decode.goodput import calibration, step_cost
+from adaflash_jax.decode.goodput.policy import (
     GoodputPolicy,
-    PolicyError,
-    PolicyInput,
+    accept_probs,
+    expected_committed,
+    length_head_accept_probs,
 )
-from adaflash_jax.decode.slots import SpeculativeEngine
+from adaflash_jax.decode.policy import AdaFlashPolicy, Draft, FixedPolicy, PolicyError, Slots
+from adaflash_jax.decode.state import EngineSpec
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
@@ -40,19 +40,25 @@ TABLE = VerifyCostTable(
 def _input(b=5, accept=None, r=None, active=None, seed=0):
     key = jax.random.key(seed)
     active = jnp.ones((b,), bool) if active is None else jnp.asarray(active)
-    return PolicyInput(
+    return Draft(
         hidden_BxKxD=jnp.zeros((b, K, 4)),
         logits_BxKm1xV=jax.random.normal(key, (b, K - 1, 16)) * 3,
         length_r_B=None if r is None else jnp.asarray(r, jnp.float32),
         head_accept_BxKm1=None if accept is None else jnp.asarray(accept, jnp.float32),
         active_B=active,
         num_running=jnp.sum(active.astype(jnp.int32)),
+        buckets=BUCKETS,
     )
+
+
+def _slots(b):
+    return Slots(count=b, block_size=K, feature_dim=4, feature_dtype=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("policy",))
 def _widths(policy, inp):
-    return policy.widths(inp, block_size=K, buckets=BUCKETS)
+    """A fresh state's widths."""
+    return policy.widths(inp, policy.init(_slots(inp.active_B.shape[0])))[0]
 
 
 def _brute_force_width(accept_BxKm1, active_B, table, buckets):
@@ -97,7 +103,7 @@ def test_goodput_follows_acceptance_and_cost():
 
 def test_expected_committed_formula():
     a = jnp.array([[1.0] * (K - 1), [0.0] * (K - 1), [0.5] * (K - 1)])
-    e = np.asarray(policies.expected_committed(a, BUCKETS))
+    e = np.asarray(expected_committed(a, BUCKETS))
     np.testing.assert_allclose(e[0], [1, 2, 4, 8])
     np.testing.assert_allclose(e[1], [1, 1, 1, 1])
     np.testing.assert_allclose(e[2], [1, 1.5, 1.875, 1 + sum(0.5**i for i in range(1, 8))])
@@ -105,25 +111,26 @@ def test_expected_committed_formula():
 
 def test_length_head_profile_matches_the_predicted_length():
     r = jnp.array([1 / K, 0.5, 0.8, 1.0])
-    a = np.asarray(policies.length_head_accept_probs(r, K))
+    a = np.asarray(length_head_accept_probs(r, K))
     mean_accepted = np.sum(np.cumprod(a, axis=1), axis=1)
     np.testing.assert_allclose(mean_accepted, np.asarray(r) * K - 1, atol=1e-3)
 
 
 def test_confidence_estimator_is_the_drafter_top_probability():
     inp = _input(2)
-    a = policies.accept_probs(inp, "confidence", K)
+    a = accept_probs(inp, "confidence")
     np.testing.assert_allclose(a, jax.nn.softmax(inp.logits_BxKm1xV, -1).max(-1), rtol=1e-6)
 
 
 def test_fixed_and_adaflash_widths():
     inp = _input(3, r=[0.05, 0.3, 0.9])
-    assert np.asarray(FixedPolicy().widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [8] * 3
+    assert np.asarray(FixedPolicy().widths(inp, ())[0]).tolist() == [8] * 3
     # 3 running rows: below the threshold the reference verifies the whole block.
     ada = AdaFlashPolicy(threshold=2)
-    assert np.asarray(ada.widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [1, 3, 8]
+    assert np.asarray(ada.widths(inp, ())[0]).tolist() == [1, 3, 8]
     off = AdaFlashPolicy(threshold=3)
-    assert np.asarray(off.widths(inp, block_size=K, buckets=BUCKETS)).tolist() == [8] * 3
+    assert np.asarray(off.widths(inp, ())[0]).tolist() == [8] * 3
+    assert FixedPolicy().init(_slots(3)) == () and ada.observe(None, ()) == ()  # stateless
 
 
 @pytest.mark.parametrize("estimator", ["confidence", "length_head"])
@@ -137,15 +144,17 @@ def test_goodput_widths_stay_in_bucket_set(estimator):
 
 def test_policy_errors():
     with pytest.raises(PolicyError, match="verify-cost table"):
-        policies.make_policy("goodput")
+        make_policy("goodput")
     with pytest.raises(PolicyError, match="unknown policy"):
-        policies.make_policy("eagle")
+        make_policy("eagle")
     with pytest.raises(PolicyError, match="estimator"):
         GoodputPolicy(cost=TABLE, estimator="vibes")
     with pytest.raises(PolicyError, match="missing buckets"):
-        GoodputPolicy(cost=TABLE).validate(buckets=(1, 3), slots=2, has_length_head=True)
+        GoodputPolicy(cost=TABLE).validate(buckets=(1, 3), has_length_head=True)
     with pytest.raises(PolicyError, match="length head"):
-        AdaFlashPolicy().validate(buckets=BUCKETS, slots=2, has_length_head=False)
+        AdaFlashPolicy().validate(buckets=BUCKETS, has_length_head=False)
+    with pytest.raises(PolicyError, match="pending_steps"):
+        GoodputPolicy(cost=TABLE, pending_steps=0)
 
 
 # ---- verify-cost table -------------------------------------------------------------------------
@@ -165,22 +174,6 @@ def test_cost_table_json_round_trip_and_interpolation(tmp_path):
         VerifyCostTable.from_json({"rows": [1]})
 
 
-def test_forward_ms_json_import(tmp_path):
-    cells = [
-        {"B": b, "T": t, "ctx": c, "ms": float(b * t + c)}
-        for b in (1, 8)
-        for t in (1, 2)
-        for c in (1024, 4096)
-    ]
-    path = tmp_path / "fwd.json"
-    path.write_text(
-        json.dumps({"device": "H200", "shape": {"layers": 36}, "target_forward_ms": cells})
-    )
-    table = verify_cost.from_forward_ms_json(path, ctx=1024, draft_ms=(2.6, 4.0))
-    assert table.rows == (1, 8) and table.widths == (1, 2)
-    assert table.verify(8, 2) == 16 + 1024 and table.draft_ms == (2.6, 4.0)
-
-
 def test_calibration_measures_and_caches(tmp_path, monkeypatch):
     cfg = TargetConfig(
         vocab_size=64,
@@ -196,43 +189,34 @@ def test_calibration_measures_and_caches(tmp_path, monkeypatch):
         cfg, mask_token_id=63, num_layers=1, block_size=4, num_features=2
     )
     drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
-    kw = dict(slots=1, widths=(1, 4), capacity=16, repeats=2, cache_dir=str(tmp_path))
-    table = verify_cost.load_or_calibrate(target, drafter, **kw)
+    table = verify_cost.calibrate(target, drafter, rows=(1,), widths=(1, 4), capacity=16, repeats=2)
     assert table.rows == (1,) and table.widths == (1, 4)
     assert all(ms > 0 for row in table.verify_ms for ms in row) and min(table.draft_ms) > 0
     assert table.device == verify_cost.device_kind()
-    files = list(tmp_path.iterdir())
-    assert len(files) == 1 and "s1" in files[0].name
+    table.save(tmp_path / "bare.json")
 
     def no_calibration(*a, **k):
         raise AssertionError("cached table should have been loaded")
 
-    monkeypatch.setattr(verify_cost, "calibrate", no_calibration)
-    assert verify_cost.load_or_calibrate(target, drafter, **kw) == table
-    assert verify_cost.load_or_calibrate(target, drafter, **kw, path=files[0]) == table
-    # Without a table, the engine measures goodput's costs on its own jitted step (cached
+    # Without a table, goodput's costs are measured on the engine's own jitted step (cached
     # separately: same device/models/slots/buckets/capacity/estimator/sampling mode).
     engine_kw = dict(
         slots=1, capacity=16, buckets=(1, 4), policy="goodput", cache_dir=str(tmp_path)
     )
-    engine = SpeculativeEngine(
-        target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"}
-    )
+    engine = build_engine(target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"})
     got = engine.policy.cost
-    assert engine.spec.use_length_head and engine.policy.estimator == "length_head"
+    assert engine.policy.needs_length_head and engine.policy.estimator == "length_head"
     assert got.rows == (1,) and got.widths == (1, 4) and "engine-step" in got.model
     assert got.draft_ms[0] >= 0 and min(got.verify_ms[0]) > 0
     steps = [f for f in tmp_path.iterdir() if f.name.startswith("step-")]
-    assert len(steps) == 1
+    assert len(steps) == 1 and "s1" in steps[0].name
     monkeypatch.setattr(step_cost, "calibrate_engine", no_calibration)
-    again = SpeculativeEngine(
-        target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"}
-    )
+    again = build_engine(target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"})
     assert again.policy == engine.policy
     with pytest.raises(AssertionError, match="cached"):  # another estimator: another table
-        SpeculativeEngine(target, drafter, **engine_kw)
+        build_engine(target, drafter, **engine_kw)
     # a given table (object or JSON path) is used as it is
-    given = SpeculativeEngine(target, drafter, **engine_kw, cost_table=str(files[0]))
+    given = build_engine(target, drafter, **engine_kw, cost_table=str(tmp_path / "bare.json"))
     assert given.policy.cost == table
 
 
@@ -254,8 +238,9 @@ def test_engine_step_calibration_decomposes_the_step(monkeypatch):
 
     class FakeEngine:
         slots, capacity, block_size, buckets = 4, 64, 4, (1, 2, 4)
-        spec = sp.EngineSpec(block_size=4, buckets=(1, 2, 4), greedy=True, nucleus=False,
-                             feature_layers=())  # fmt: skip
+        policy = GoodputPolicy(cost=step_cost.unit_table(4, (1, 2, 4)))
+        spec = EngineSpec(block_size=4, buckets=(1, 2, 4), greedy=True, nucleus=False,
+                          feature_layers=(), policy=policy)  # fmt: skip
 
     table = step_cost.calibrate_engine(FakeEngine())
     assert table.rows == (4,) and table.widths == (1, 2, 4)
@@ -286,13 +271,11 @@ def test_entering_drafting_must_pay_for_the_switch():
         (0.6, True, False, True),
         (0.9, True, True, True),
     ):
-        accept = jnp.full((1, K - 1), a)
-        assert bool(whole.speculate(accept, active, 0, buckets=BUCKETS)) == stay, a
-        assert bool(whole.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
-            enter
-        ), a
-        assert bool(whole.drafting_gain(accept, active, buckets=BUCKETS) > 1.0) == enter, a
-        assert bool(shared.speculate(accept, active, 0, buckets=BUCKETS, switching=True)) == (
+        state = whole.init(_slots(1)).replace(est_BxKm1=jnp.full((1, K - 1), a))
+        assert bool(whole.speculate(state, active, buckets=BUCKETS, switching=False)) == stay, a
+        assert bool(whole.speculate(state, active, buckets=BUCKETS, switching=True)) == enter, a
+        assert bool(whole.drafting_gain(state, active, buckets=BUCKETS) > 1.0) == enter, a
+        assert bool(shared.speculate(state, active, buckets=BUCKETS, switching=True)) == (
             enter_shared
         ), a
     with pytest.raises(PolicyError, match="switch_horizon"):
@@ -303,46 +286,40 @@ def test_entering_drafting_must_pay_for_the_switch():
     assert VerifyCostTable.from_json(old).switch_ms == 0.0
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FixedGain(GoodputPolicy):
-    """Goodput whose drafting gain is given, to pin the probe interval's scaling."""
-
-    gain: float = 0.5
-
-    def drafting_gain(self, accept_BxKm1, active_B, **_):
-        return jnp.float32(self.gain)
-
-
-def _interval(policy, rows):
-    accept, active = jnp.full((2, K - 1), 0.5), jnp.ones((2,), bool)
-    return int(
-        policy.probe_interval(jnp.int32(rows), BUCKETS, accept_BxKm1=accept, active_B=active)
-    )
+def _interval(policy, rows, gain=0.5):
+    return int(policy.interval_at_gain(jnp.float32(gain), jnp.int32(rows)))
 
 
 def test_probe_interval_bounds_the_probe_overhead():
     """Base interval: ceil(probe (else draft forward) / (5% · plain step)), scaled by
     2·(1 − drafting gain) within [1/8, 2], then within [1, max_probe_every]; an explicit
     probe_every wins."""
-    policy = FixedGain(cost=TABLE)  # gain 0.5: the base interval
+    policy = GoodputPolicy(cost=TABLE)  # gain 0.5: the base interval
     # 1 row: plain 1.0 ms, draft 0.3 ms → 0.3 / 0.05 = 6 steps
     assert _interval(policy, 1) == 6
     # 16 rows: plain 2.0, draft 1 → 1 / 0.1 = 10
     assert _interval(policy, 16) == 10
-    assert _interval(FixedGain(cost=TABLE, gain=0.0), 16) == 20  # far from paying: 2x
-    assert _interval(FixedGain(cost=TABLE, gain=0.75), 16) == 5  # closer: more often
-    assert _interval(FixedGain(cost=TABLE, gain=0.99), 16) == 2  # 10 / 8, rounded up
-    tight = FixedGain(cost=TABLE, probe_overhead=0.005)  # 1 / 0.01 = 100, capped at 64
+    assert _interval(policy, 16, gain=0.0) == 20  # far from paying: 2x
+    assert _interval(policy, 16, gain=0.75) == 5  # closer: more often
+    assert _interval(policy, 16, gain=0.99) == 2  # 10 / 8, rounded up
+    tight = GoodputPolicy(cost=TABLE, probe_overhead=0.005)  # 1 / 0.01 = 100, capped at 64
     assert _interval(tight, 16) == 64
-    assert _interval(FixedGain(cost=TABLE, probe_every=3, gain=0.0), 1) == 3
-    loose = FixedGain(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
+    loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
     assert _interval(loose, 1) == 2
     # a measured probe cost (the engine-step calibration's) replaces the draft time
-    measured = FixedGain(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
+    measured = GoodputPolicy(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
     assert _interval(measured, 1) == 18
     assert VerifyCostTable.from_json(measured.cost.to_json()) == measured.cost
     with pytest.raises(ValueError, match="probe_ms"):
         dataclasses.replace(TABLE, probe_ms=-1.0)
+    # the interval the skip arm asks for: at the rows' drafting gain, or probe_every
+    state = policy.init(_slots(2)).replace(est_BxKm1=jnp.full((2, K - 1), 0.5))
+    active = jnp.ones((2,), bool)
+    gain = policy.drafting_gain(state, active, buckets=BUCKETS)
+    want = _interval(policy, 2, gain=float(gain))
+    assert int(policy.probe_interval(state, active, buckets=BUCKETS)) == want
+    every = GoodputPolicy(cost=TABLE, probe_every=3)
+    assert int(every.probe_interval(state, active, buckets=BUCKETS)) == 3
 
 
 def test_calibration_exponent_fits_the_realised_acceptance():
@@ -380,7 +357,7 @@ def test_calibration_exponent_fits_the_realised_acceptance():
     # the policies read calibrated estimates: γ = 1/2 turns 0.25 into 0.5
     a = jnp.full((1, K - 1), 0.25)
     np.testing.assert_allclose(
-        policies.expected_committed(a, (2,), jnp.log(jnp.array([0.5]))), [[1.5]], rtol=1e-6
+        expected_committed(a, (2,), jnp.log(jnp.array([0.5]))), [[1.5]], rtol=1e-6
     )
 
 

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import jax.scipy.stats as jst
 import numpy as np
 import pytest
+from doubles import DraftEveryNth, always_accept
 from flax import nnx
-from policy_doubles import DraftEveryNth
 
 from adaflash_jax.decode import acceptance
-from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
-from adaflash_jax.decode.policies import AdaFlashPolicy, GoodputPolicy
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
@@ -92,7 +92,7 @@ def _speculative(models, **kw):
 
 @pytest.mark.parametrize(
     "accept_fn,lossless",
-    [(None, True), (acceptance.always_accept, False)],
+    [(None, True), (always_accept, False)],
     ids=["rejection", "biased"],
 )
 def test_sampling_matches_plain_and_catches_a_biased_rule(
@@ -128,14 +128,13 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
         AdaFlashPolicy(threshold=0),
         GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False),
         GoodputPolicy(cost=SKIP_TABLE, probe_every=2),
-        DraftEveryNth(cost=SKIP_TABLE, n=2),
+        # asked between runs of undrafted steps: a 2-step buffer ends each
+        DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE, pending_steps=2), n=2),
     ],
     ids=["adaflash", "goodput", "goodput-skip-probing", "mixed-drafted-and-plain"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
-    # DraftEveryNth is asked between runs of undrafted steps: a 2-step buffer ends each
-    pending = 2 if isinstance(policy, DraftEveryNth) else sp.PENDING_STEPS
-    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy, pending_steps=pending)
+    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy)
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
     undrafted = np.mean([w == 0 for w in requested])

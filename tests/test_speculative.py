@@ -7,19 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from doubles import DraftEveryNth, TableDrafter, WobblePolicy
 from flax import nnx
-from policy_doubles import DraftEveryNth
 
-from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.generate import generate
-from adaflash_jax.decode.policies import GoodputPolicy
+from adaflash_jax.decode.goodput import skip
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.decode.policy import AdaFlashPolicy
+from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
-from adaflash_jax.decode.verify import verify_forward, write_new_entries
+from adaflash_jax.decode.state import bucket_set, policy_slots
+from adaflash_jax.decode.step import admit
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.drafter.model import Drafter, DraftOutput
+from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.config import ConfigError, TargetConfig
-from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.target import TargetLM
 
 V = 128
@@ -36,59 +38,6 @@ CFG = TargetConfig(
 CAPACITY = 64
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9], list(range(20, 32))]
 MAX_NEW = [9, 6, 13, 3, 11]  # not multiples of the block: max-tokens lands inside blocks
-
-
-class TableDrafter(nnx.Module):
-    """Test double with the drafter's serving interface: drafts by iterating a next-token
-    table from the bonus token (content-based, so it works in any slot). One-hot logits."""
-
-    def __init__(self, config: DrafterConfig, next_V, sharpness: float = 20.0):
-        self.config = config
-        self.table = nnx.Param(jnp.asarray(next_V, jnp.int32))
-        self.length_head = None
-        self.sharpness = sharpness  # logit of the drafted token: 20 → confidence ~1
-
-    def init_context_cache(self, batch, capacity, dtype=None):
-        return KVCache.create(
-            num_layers=1, batch=batch, capacity=1, kv_heads=1, head_dim=2, dtype=jnp.float32
-        )
-
-    def append_context(self, cache, features_BxTxnD, num_new_B=None):
-        t = features_BxTxnD.shape[1]
-        advance = jnp.full_like(cache.lengths, t) if num_new_B is None else num_new_B
-        return cache.with_lengths(cache.lengths + advance)
-
-    def context_entries(self, cache, features_BxTxnD):
-        b, t, _ = features_BxTxnD.shape
-        return (jnp.zeros((b, t, 1, 2)),), (jnp.zeros((b, t, 1, 2)),)
-
-    def write_context(self, cache, new_k, new_v, num_new_B):
-        return cache.with_lengths(cache.lengths + num_new_B)
-
-    def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
-        table, tok, drafts = self.table[...], bonus_B, []
-        for _ in range(self.config.block_size - 1):
-            tok = table[tok]
-            drafts.append(tok)
-        logits = self.sharpness * jax.nn.one_hot(jnp.stack(drafts, axis=1), V)
-        hidden = jnp.zeros((bonus_B.shape[0], self.config.block_size, self.config.hidden_size))
-        return DraftOutput(hidden_BxKxD=hidden, logits_BxKm1xV=logits)
-
-
-@dataclasses.dataclass(frozen=True)
-class WobblePolicy:
-    """Test policy: a width that varies with the drafter's first logits (never the tokens
-    sampled), to exercise every bucket."""
-
-    name = "wobble"
-    needs_length_head = False
-
-    def validate(self, **_):
-        pass
-
-    def widths(self, inp, *, block_size, buckets):
-        top_B = jnp.argmax(inp.logits_BxKm1xV[:, 0], axis=-1)
-        return (1 + top_B % block_size).astype(jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -128,28 +77,6 @@ def bigram(reference):
         for a, b in zip(seq[:-1], seq[1:]):
             counts[a, b] += 1
     return np.where(counts.sum(1) > 0, counts.argmax(1), (np.arange(V) + 1) % V)
-
-
-def test_copy_free_verify_matches_target_forward(target):
-    """The engine's read-only verify == TargetLM.__call__ with a cache (logits, features,
-    and the cache after writing the new entries), on ragged cache lengths."""
-    lengths = jnp.array([9, 4, 1])
-    prompt = jax.random.randint(jax.random.key(0), (3, 9), 0, V)
-    tokens = jax.random.randint(jax.random.key(1), (3, 4), 0, V)
-
-    @jax.jit
-    def both(prompt, tokens):
-        cache = target(prompt, cache=target.init_cache(3, 24), num_new_B=lengths).cache
-        want = target(tokens, cache=cache, feature_layers=(0, 1))
-        logits, feats, new_k, new_v = verify_forward(target, tokens, cache, (0, 1))
-        return want, logits, feats, write_new_entries(cache, new_k, new_v)
-
-    want, logits, feats, written = both(prompt, tokens)
-    np.testing.assert_allclose(logits, want.logits_BxTxV, atol=1e-5)
-    np.testing.assert_allclose(feats, want.features_BxTxnD, atol=1e-5)
-    for got_k, want_k in zip(written.k + written.v, want.cache.k + want.cache.v):
-        for b, n in enumerate([9, 4, 1]):  # committed prefix + the 4 new entries
-            np.testing.assert_allclose(got_k[b, : n + 4], want_k[b, : n + 4], atol=1e-6)
 
 
 def _requests():
@@ -259,13 +186,13 @@ def test_no_recompiles_with_varying_widths(target, bigram, reference):
     )
     first = engine.generate(_requests())  # warm-up
     assert [r.output_ids for r in first] == reference["plain"]
-    warm = sp.compiled_programs()
+    warm = compiled_programs()
     widths = set()
     for shift in range(3):  # different prompts, lengths, budgets → different widths
         reqs = [([(t + shift) % V for t in p], m + shift) for p, m in _requests()]
         widths |= {w for r in engine.generate(reqs) for w in r.widths}
     assert len(widths) >= 3, f"the test should exercise several buckets, saw {widths}"
-    assert sp.compiled_programs() == warm
+    assert compiled_programs() == warm
 
 
 def test_plain_path_matches_generate(target, reference):
@@ -289,7 +216,7 @@ def test_requests_are_validated_before_compute(target, drafter):
         SpeculativeEngine(target, drafter, slots=2, capacity=512)
     with pytest.raises(EngineError, match="length head"):
         no_head = Drafter(dataclasses.replace(_drafter_cfg(4), length_head=None), rngs=nnx.Rngs(2))
-        SpeculativeEngine(target, no_head, slots=2, capacity=CAPACITY, policy="adaflash")
+        SpeculativeEngine(target, no_head, slots=2, capacity=CAPACITY, policy=AdaFlashPolicy())
     table = VerifyCostTable(rows=(1,), widths=(4,), verify_ms=((1.0,),), draft_ms=(0.1,))
     with pytest.raises(EngineError, match="accept_probs"):
         head_policy = GoodputPolicy(cost=table, estimator="head", skip_draft=False)
@@ -304,8 +231,8 @@ def test_requests_are_validated_before_compute(target, drafter):
     other = TargetLM(dataclasses.replace(CFG, num_hidden_layers=1), rngs=nnx.Rngs(3))
     with pytest.raises(ConfigError, match="layer"):
         SpeculativeEngine(other, drafter, slots=2, capacity=CAPACITY)
-    assert sp.bucket_set((1, 2, 4, 8, 16), 10) == (1, 2, 4, 8, 10)
-    assert sp.bucket_set((1, 2, 4, 8, 16), 4) == (1, 2, 4)
+    assert bucket_set((1, 2, 4, 8, 16), 10) == (1, 2, 4, 8, 10)
+    assert bucket_set((1, 2, 4, 8, 16), 4) == (1, 2, 4)
 
 
 # ---- goodput's "don't speculate" arm ------------------------------------------------------------
@@ -333,12 +260,11 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
     drafter = TableDrafter(_drafter_cfg(4), bigram)
     cost = _skip_table(draft_ms)
     policy = (
-        DraftEveryNth(cost=cost, n=2)
+        DraftEveryNth(goodput=GoodputPolicy(cost=cost, pending_steps=2), n=2)
         if expect == "mixed"
         else GoodputPolicy(cost=cost, probe_every=probe_every)
     )
-    pending = 2 if expect == "mixed" else sp.PENDING_STEPS
-    engine = _engine(target, drafter, policy=policy, pending_steps=pending)
+    engine = _engine(target, drafter, policy=policy)
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
     _check_stats(results, engine)
@@ -354,10 +280,10 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
         assert probes == 1 if expect == "undrafted" else probes >= len(requested) // 6
     else:
         assert 0.2 < np.mean(undrafted) < 0.8, requested
-        warm = sp.compiled_programs()
+        warm = compiled_programs()
         again = engine.generate(_requests())
         assert [r.output_ids for r in again] == reference["plain"]
-        assert sp.compiled_programs() == warm
+        assert compiled_programs() == warm
 
 
 def test_a_probe_turns_drafting_back_on(target, bigram, reference):
@@ -366,59 +292,61 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
     policy = GoodputPolicy(cost=_skip_table(0.01), probe_every=3)
     engine = _engine(target, drafter, slots=1, policy=policy, eos_ids=())
-    state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
+    state = admit(engine.prefill(engine.init_state(0), [(0, PROMPTS[1], 30)]), engine.spec)
     # as if a drafter forward had just said drafting does not pay
+    p = state.policy_state
     state = state.replace(
-        accept_est_BxKm1=jnp.zeros_like(state.accept_est_BxKm1),
-        undrafted=jnp.int32(0),
-        probe_due_at=jnp.int32(3),
+        policy_state=p.replace(
+            est_BxKm1=jnp.zeros_like(p.est_BxKm1), undrafted=jnp.int32(0), probe_due_at=jnp.int32(3)
+        )
     )
-    engine._drafting = False
+    engine._program = skip.UNDRAFTED
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)
-    requested = np.asarray(state.request_BxC[0, :steps]).tolist()
+    requested = np.asarray(state.request_BxS[0, :steps]).tolist()
     assert requested[:3] == [0, 0, 0] and all(w > 0 for w in requested[3:]), requested
     assert int(state.probes) == 1
-    np.testing.assert_allclose(state.accept_est_BxKm1[0], 1.0, atol=1e-3)
+    np.testing.assert_allclose(state.policy_state.est_BxKm1[0], 1.0, atol=1e-3)
 
 
 @pytest.mark.parametrize("draft_ms,drafts", [(100.0, False), (0.01, True)])
 def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, draft_ms, drafts):
     """A second `generate` starts from the prior and γ the first learnt: it needs no opening
-    probe, and drafts (or not) from its first step; `reset_adaptation` brings the probe back.
+    probe, and drafts (or not) from its first step; `forget` brings the probe back.
     The outputs stay plain greedy's throughout."""
     drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
     policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=1000)
     engine = _engine(target, drafter, policy=policy)
-    assert engine.adaptation is None
-    assert sp.Adaptation.of(engine.init_state(0)) is None  # no drafter forward: nothing learnt
+    assert engine.learnt is None
+    slots = policy_slots(target, drafter, 2)
+    unlearnt = engine.init_state(0).policy_state  # no drafter forward: nothing learnt
+    assert int(policy.init(slots, unlearnt).probe_due_at) == 0  # the first loop probes
     for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):
         if call == "reset":
-            engine.reset_adaptation()
+            engine.forget()
         results = engine.generate(_requests())
         assert [r.output_ids for r in results] == reference["plain"], call
         assert engine.last_run["probes"] == expect_probes, call
         requested = [q for r in results for q in r.requested_widths]
         assert all((q > 0) == drafts for q in requested), (call, requested)
-        learnt = engine.adaptation
-        assert learnt is not None and len(learnt.accept_prior_Km1) == 3
-        np.testing.assert_allclose(learnt.accept_prior_Km1, 1.0, atol=1e-3)
-    # two calls from the same adaptation replay each other (the benchmark's timed passes)
+        learnt = engine.learnt
+        np.testing.assert_allclose(learnt.prior_Km1, np.ones(3), atol=1e-3)
+    # two calls from the same start replay each other (the benchmark's timed passes)
     replays = []
     for _ in range(2):
-        engine.adaptation = learnt
+        engine.learnt = learnt
         results = engine.generate(_requests())
         replays.append(([r.requested_widths for r in results], engine.last_run))
     assert replays[0] == replays[1]
-    state = engine.init_state(0)
-    np.testing.assert_allclose(state.accept_prior_Km1, learnt.accept_prior_Km1)
-    assert float(state.accept_log_gamma) == pytest.approx(learnt.accept_log_gamma)
-    broken = state.replace(accept_log_gamma=jnp.float32(jnp.nan))
-    assert sp.Adaptation.of(broken) is None  # NaN is never carried into the next call
+    engine.learnt = learnt
+    start = engine.init_state(0).policy_state
+    np.testing.assert_allclose(start.prior_Km1, learnt.prior_Km1)
+    assert float(start.log_gamma) == pytest.approx(float(learnt.log_gamma))
+    assert int(start.probe_due_at) == 1  # the first probe waits for the interval
+    broken = learnt.replace(log_gamma=jnp.float32(jnp.nan))
+    fresh = policy.init(slots, broken)  # NaN is never carried into the next call
+    assert float(fresh.prior_Km1[0]) < 0 and int(fresh.probe_due_at) == 0
     with pytest.raises(ValueError, match="positions"):
-        sp.init_state(
-            target, drafter, slots=1, capacity=CAPACITY, eos_ids=(), temperature=0.0,
-            top_p=1.0, seed=0, adaptation=sp.Adaptation((1.0,), 0.0),
-        )  # fmt: skip
+        policy.init(slots, learnt.replace(prior_Km1=jnp.ones((1,))))
 
 
 @pytest.mark.parametrize("draft_every,pending_steps", [(2, 2), (7, 3)])
@@ -429,26 +357,28 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     features hold exactly the target features of every committed token, as if appended from
     scratch. The double is asked between runs of undrafted steps, which end as the buffer
     fills: (2, 2) switches after every flush; (7, 3) flushes twice before it does."""
-    policy = DraftEveryNth(cost=_skip_table(100.0), n=draft_every)
-    engine = _engine(target, drafter, policy=policy, eos_ids=(), pending_steps=pending_steps)
+    goodput = GoodputPolicy(cost=_skip_table(100.0), pending_steps=pending_steps)
+    engine = _engine(
+        target, drafter, policy=DraftEveryNth(goodput=goodput, n=draft_every), eos_ids=()
+    )
     prompts = [PROMPTS[1], PROMPTS[4]]
     state = engine.init_state(0)
-    engine._drafting = True
-    state = engine._prefill(state, [(0, prompts[0], 40), (1, prompts[1], 40)])
+    engine._program = skip.DRAFTED
+    state = engine.prefill(state, [(0, prompts[0], 40), (1, prompts[1], 40)])
     state, steps, calls, _ = engine.run(state, stop_on_finish=False, max_steps=18)
     assert steps == 18 and not np.any(state.done_B), "every row must still be running"
     assert calls > 2, "the run should switch between the drafted and undrafted programs"
-    requested = np.asarray(state.request_BxC[:, :steps])
+    requested = np.asarray(state.request_BxS[:, :steps])
     assert (requested == 0).any() and (requested > 0).any(), requested
-    pending_B = np.asarray(state.pending_B)
+    pending_B = np.asarray(state.policy_state.pending_B)
     assert pending_B.max() <= pending_steps
     np.testing.assert_array_equal(
         np.asarray(state.context_cache.lengths) + pending_B, state.target_cache.lengths
     )
-    state = jax.jit(sp.flush_pending, static_argnums=0)(drafter, state)
-    assert not np.any(state.pending_B)
+    state = jax.jit(skip.flush, static_argnums=0)(drafter, state)
+    assert not np.any(state.policy_state.pending_B)
     for row, prompt in enumerate(prompts):
-        out = np.asarray(state.out_BxC[row, : int(state.num_out_B[row])]).tolist()
+        out = np.asarray(state.out_BxS[row, : int(state.num_out_B[row])]).tolist()
         # every committed token but the last (the bonus: its features come with the next step)
         seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
         n = seq.shape[1]
@@ -495,26 +425,27 @@ def test_drafted_steps_calibrate_their_rows(target, bigram):
     )
     policy = GoodputPolicy(cost=free_drafts, probe_every=1000)
     engine = _unsure_engine(target, bigram, policy, eos_ids=())
-    state = engine._prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
-    engine._drafting = True
+    state = engine.prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
+    engine._program = skip.DRAFTED
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=6)
-    assert np.all(np.asarray(state.request_BxC[0, :steps]) > 0), "every step drafts"
-    accepted = np.asarray(state.accepted_BxC[0, :steps])
+    assert np.all(np.asarray(state.request_BxS[0, :steps]) > 0), "every step drafts"
+    accepted = np.asarray(state.accepted_BxS[0, :steps])
     assert accepted.mean() > 0.5, accepted  # far above the ~0.06 expected per step
-    row, whole = float(state.accept_log_gamma_B[0]), float(state.accept_log_gamma)
+    row, whole = float(state.policy_state.log_gamma_B[0]), float(state.policy_state.log_gamma)
     assert row < 0 and whole < 0, (row, whole)
 
 
 def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter):
     """Drafter forwards (drafted steps and probes) move the prior (an EMA of the rows'
-    estimates) away from 1; a request admitted later starts its estimate there, not at 1."""
+    estimates) away from 1; a request admitted later starts its estimate there, not at 1
+    (the policy sees admitted rows when the next loop program begins: `admit`)."""
     policy = GoodputPolicy(cost=_skip_table(100.0), probe_every=2)
     engine = _engine(target, drafter, policy=policy, eos_ids=())
     state = engine.init_state(0)
-    state = engine._prefill(state, [(0, PROMPTS[0], 12)])
-    np.testing.assert_array_equal(state.accept_est_BxKm1[0], np.ones(3))  # no forward yet
+    state = admit(engine.prefill(state, [(0, PROMPTS[0], 12)]), engine.spec)
+    np.testing.assert_array_equal(state.policy_state.est_BxKm1[0], np.ones(3))  # no forward
     state, _, _, _ = engine.run(state, stop_on_finish=False)
-    prior = np.asarray(state.accept_prior_Km1)
+    prior = np.asarray(state.policy_state.prior_Km1)
     assert np.all((prior >= 0) & (prior < 0.99)), prior  # a random drafter is unsure
-    state = engine._prefill(state, [(1, PROMPTS[1], 5)])
-    np.testing.assert_allclose(state.accept_est_BxKm1[1], prior)
+    state = admit(engine.prefill(state, [(1, PROMPTS[1], 5)]), engine.spec)
+    np.testing.assert_allclose(state.policy_state.est_BxKm1[1], prior)

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from adaflash_jax.decode.generate import generate  # noqa: E402
-from adaflash_jax.decode.verify import verify_forward  # noqa: E402
 from adaflash_jax.model.checkpoint import load_target  # noqa: E402
 from adaflash_jax.model.config import TargetConfig  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
@@ -119,7 +118,7 @@ def test_logits_and_hidden_states_match_transformers(hf_dirs, tokens, variant):
 
 def test_last_layer_feature_is_hf_last_hidden_state_in_forward_and_verify(hf_dirs, tokens):
     """Layer L−1's feature == HF hidden_states[L] (post final norm), from the plain forward,
-    a cached prefill, and the engine's verify forward over the tokens after that prefill."""
+    a cached prefill, and the "read" cache mode (the engine's verify) after that prefill."""
     hf_model, path = hf_dirs["qwen3_untied"]
     ours = load_target(path, dtype=jnp.float32)
     _, hf_hidden = _hf_forward(hf_model, tokens)
@@ -131,7 +130,10 @@ def test_last_layer_feature_is_hf_last_hidden_state_in_forward_and_verify(hf_dir
     p = 7  # prefill p tokens into the cache, then verify the rest without writing it
     prefill = ours(jnp.asarray(tokens[:, :p]), cache=ours.init_cache(2, 16), feature_layers=layers)
     np.testing.assert_allclose(np.asarray(prefill.features_BxTxnD), want[:, :p], atol=1e-4)
-    logits, feats, _, _ = verify_forward(ours, jnp.asarray(tokens[:, p:]), prefill.cache, layers)
+    verify = ours(
+        jnp.asarray(tokens[:, p:]), cache=prefill.cache, cache_mode="read", feature_layers=layers
+    )
+    logits, feats = verify.logits_BxTxV, verify.features_BxTxnD
     np.testing.assert_allclose(np.asarray(feats), want[:, p:], atol=1e-4, rtol=0)
     hf_logits, _ = _hf_forward(hf_model, tokens)
     np.testing.assert_allclose(np.asarray(logits), hf_logits[:, p:], atol=1e-4, rtol=0)

@@ -5,9 +5,9 @@ Dimensions: B rows (slots), P padded prompt length, N new tokens, C cache capaci
 width, K block size.
 
 Each is the project's own jitted entry point: `decode.generate.generate_jit` (regeneration),
-`decode.speculative.jitted("run_loop")` (the engine's device loop, built by
-`decode.slots.SpeculativeEngine` from abstract models), `jitted("prefill_slots")` (its
-prefill) and `Drafter.draft`. The engine loop
+`decode.programs.run_loop` (the engine's device loop, built by
+`decode.slots.SpeculativeEngine` from abstract models), `decode.programs.prefill_slots`
+(its prefill) and `Drafter.draft`. The engine loop
 runs one step per iteration; XLA's cost analysis counts a while loop's body once, so its
 figures are one step's (plus the loop's small prologue). For a per-width figure the loop is
 compiled with a single bucket W (`EngineSpec` then caps every verify at W): the serving engine
@@ -32,7 +32,7 @@ from adaflash_jax.aot.abstract import (
     struct,
 )
 from adaflash_jax.aot.program import Program
-from adaflash_jax.decode import speculative as sp
+from adaflash_jax.decode.programs import prefill_slots, run_loop
 from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
@@ -78,7 +78,7 @@ def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) ->
     p = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
     rows = lambda dtype: struct((batch,), dtype)  # noqa: E731
     args = (
-        *m.target,
+        m.target,
         struct((batch, p), jnp.int32),
         rows(jnp.int32),
         rows(jnp.int32),
@@ -115,7 +115,6 @@ def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: b
         slots=slots,
         capacity=capacity,
         buckets=DEFAULT_BUCKETS,
-        policy="fixed",
         temperature=temperature,
         eos_ids=(0,),
     )
@@ -125,8 +124,8 @@ def _loop_program(m: Models, engine, spec, name: str, width: int) -> Program:
     drafted = engine.drafter is not None
     state = jax.eval_shape(lambda: engine.init_state(0))
     args = (
-        *m.target,
-        *(m.drafter if drafted else (None, None)),
+        m.target,
+        m.drafter if drafted else None,
         state,
         struct((), jnp.bool_),
         struct((), jnp.int32),
@@ -134,7 +133,7 @@ def _loop_program(m: Models, engine, spec, name: str, width: int) -> Program:
     return Program(
         name=name,
         kind="decode",
-        fn=sp.jitted("run_loop"),
+        fn=run_loop,
         args=args,
         static=dict(spec=spec),
         weight_bytes=m.target_bytes + (m.drafter_bytes if drafted else 0),
@@ -166,11 +165,11 @@ def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) ->
     p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
     state = jax.eval_shape(lambda: engine.init_state(0))
     rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
-    args = (*m.target, *m.drafter, state, rows(), struct((slots, p), jnp.int32), rows(), rows())
+    args = (m.target, m.drafter, state, rows(), struct((slots, p), jnp.int32), rows(), rows())
     return Program(
         name=f"prefill B={slots}",
         kind="decode",
-        fn=sp.jitted("prefill_slots"),
+        fn=prefill_slots,
         args=args,
         static=dict(spec=engine.spec.prefill_spec),
         weight_bytes=m.target_bytes + m.drafter_bytes,

@@ -25,7 +25,7 @@ from adaflash_jax.aot.program import Program
 from adaflash_jax.aot.report import LABEL, Figures
 from adaflash_jax.aot.train_programs import train_programs
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS
-from adaflash_jax.decode.speculative import bucket_set
+from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.plan.inputs import engine_capacity

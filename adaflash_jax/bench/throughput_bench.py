@@ -10,7 +10,7 @@ engine (`drafter=None`), so prefill, scheduling and host round trips cost the sa
 `ratio_to_plain` compares like with like, measured in the same process minutes apart.
 Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
 timed pass needs; the compiled-program count is checked around every timed pass). An engine
-that adapts across calls (goodput's skip arm: `SpeculativeEngine.adaptation`) starts every
+that adapts across calls (goodput's skip arm: `SpeculativeEngine.learnt`) starts every
 timed pass from what its warm-up learnt, after a second warm-up from that same start: each
 timed pass then replays that second warm-up step for step (its decisions, finishing order
 and prefill shapes), so nothing compiles while timed. Then
@@ -37,14 +37,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from adaflash_jax.decode import speculative as sp
 from adaflash_jax.decode.bench import summarize
+from adaflash_jax.decode.build import build_engine
+from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import (
     DEFAULT_BUCKETS,
     NO_ACCEPT_OUTPUT,
     SpeculativeEngine,
     has_accept_output,
 )
+from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.decode.verify_cost import VerifyCostTable, calibrate
 
 CPU_CONCURRENCY = (1, 4, 16, 64)
@@ -261,7 +263,7 @@ class ThroughputBench:
             if same:
                 self.cost_tables[name] = self.cost_tables[same[0]]
             else:
-                widths = sp.bucket_set(self.settings.buckets, drafter.config.block_size)
+                widths = bucket_set(self.settings.buckets, drafter.config.block_size)
                 rows = tuple(sorted(set(self.settings.concurrencies)))
                 t0 = time.perf_counter()
                 self.cost_tables[name] = calibrate(
@@ -296,7 +298,7 @@ class ThroughputBench:
         key = (m, concurrency)
         if key not in self._engines:
             drafter = None if m.drafter is None else self.drafters[m.drafter]
-            self._engines[key] = SpeculativeEngine(
+            self._engines[key] = build_engine(
                 self.target,
                 drafter,
                 slots=concurrency,
@@ -331,7 +333,7 @@ class ThroughputBench:
             t0 = time.perf_counter()
             engine.generate(requests)
             warmup[m] = time.perf_counter() - t0
-            start[m] = engine.adaptation
+            start[m] = engine.learnt
             if start[m] is not None:  # what the timed passes will replay, compiled
                 engine.generate(requests)
         best: dict[Method, tuple] = {}
@@ -339,12 +341,12 @@ class ThroughputBench:
         for _ in range(self.settings.repeats):
             for m in self.methods:
                 engine = self.engine(m, concurrency)
-                engine.adaptation = start[m]
-                before = sp.compiled_programs()
+                engine.learnt = start[m]
+                before = compiled_programs()
                 t0 = time.perf_counter()
                 results = engine.generate(requests)
                 wall = time.perf_counter() - t0
-                compiles[m] += sum(sp.compiled_programs().values()) - sum(before.values())
+                compiles[m] += sum(compiled_programs().values()) - sum(before.values())
                 if m not in best or wall < best[m][0]:
                     best[m] = (wall, results, dict(engine.last_run))
         return [

@@ -7,7 +7,7 @@ target's prediction for the token that draft d_{i+1} proposes. A row with reques
 w_b accepts at most w_b − 1 drafts; its new bonus token comes from position n_acc.
 
 Every acceptance function has the same signature, so the engine can be parametrised with a
-deliberately biased one in tests:
+deliberately biased one in tests (`tests/doubles.py`):
 
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
@@ -17,7 +17,7 @@ to W − 1 positions, rows' width_B <= W); W = 1 (no drafts) must work: the bonu
 straight from p at position 0.
 
 (temperature: scalar > 0; top_p: scalar, or None for "no nucleus filter", see
-`sampling_probs`.)
+`tokens.sampling_probs`.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.decode.sampling import logits_to_probs
+from adaflash_jax.decode.tokens import sampling_probs
 
 
 def leading_true(ok_BxN: jax.Array) -> jax.Array:
@@ -45,19 +45,6 @@ def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperatu
     accepted_B = leading_true(_capped(drafts_BxKm1 == best_BxK[:, :-1], width_B))
     bonus_B = jnp.take_along_axis(best_BxK, accepted_B[:, None], axis=1)[:, 0]
     return accepted_B, bonus_B
-
-
-def sampling_probs(logits_NxV, temperature, top_p):
-    """The sampling distribution [N, V] for a scalar temperature > 0. `top_p=None` means no
-    nucleus filter (decided statically): a plain tempered softmax, the same distribution as
-    `logits_to_probs` with top_p = 1 but without its sort over the vocabulary."""
-    logits_NxV = logits_NxV.astype(jnp.float32)
-    if top_p is None:
-        return jax.nn.softmax(logits_NxV / temperature, axis=-1)
-    n = logits_NxV.shape[0]
-    temp_N = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,))
-    top_p_N = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (n,))
-    return logits_to_probs(logits_NxV, temp_N, top_p_N)
 
 
 def target_probs(logits_BxKxV, temperature, top_p):
@@ -101,13 +88,3 @@ def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temper
         rejected_B[:, None], q_BxKm1xV[rows_B, jnp.minimum(accepted_B, k - 2)], 0.0
     )
     return accepted_B, _residual_sample(key_r, p_at_BxV, q_at_BxV)
-
-
-def always_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
-    """DELIBERATELY BIASED (tests only): takes every draft, bonus sampled from p. Its output
-    follows the drafter, not the target; the lossless tests must reject it."""
-    b, k, _ = logits_BxKxV.shape
-    accepted_B = jnp.maximum(width_B - 1, 0).astype(jnp.int32)
-    p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
-    p_at_BxV = p_BxKxV[jnp.arange(b), accepted_B]
-    return accepted_B, jax.random.categorical(key, jnp.log(p_at_BxV), axis=-1).astype(jnp.int32)

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
+from adaflash_jax.decode.build import build_engine
+from adaflash_jax.decode.slots import SpeculativeEngine
 
 
 def random_requests(
@@ -77,32 +78,10 @@ def summarize(results, *, wall_s: float, loop_steps: int, warmup_s: float = 0.0)
     }
 
 
-def time_plain(
-    target,
-    requests: Sequence[tuple[Sequence[int], int]],
-    *,
-    slots: int,
-    capacity: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    eos_ids: Sequence[int] = (),
-    repeats: int = 1,
-    seed: int = 0,
-) -> dict:
-    """Plain autoregressive decoding (one target token per row per step) through the slots."""
-    engine = SpeculativeEngine(
-        target,
-        None,
-        slots=slots,
-        capacity=capacity,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        seed=seed,
-    )
-    results, wall, warmup, loop_steps = _timed(engine, list(requests), repeats)
-    row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
-    return {"method": "plain", "policy": None, "slots": slots, **row, "draft_fraction": 0.0}
+def time_plain(target, requests: Sequence[tuple[Sequence[int], int]], **kw) -> dict:
+    """Plain autoregressive decoding (one target token per row per step) through the slots;
+    options as `time_speculative`'s."""
+    return time_speculative(target, None, requests, **kw)
 
 
 def time_speculative(
@@ -112,39 +91,22 @@ def time_speculative(
     *,
     slots: int,
     capacity: int,
-    block_size: int | None = None,
-    buckets: Sequence[int] = DEFAULT_BUCKETS,
-    policy="fixed",
-    cost_table=None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    eos_ids: Sequence[int] = (),
     repeats: int = 1,
-    seed: int = 0,
-    policy_kwargs: dict | None = None,
+    eos_ids: Sequence[int] = (),
+    **engine_kw,
 ) -> dict:
-    """Speculative decoding with `policy` (a name or a policy object) through the slots."""
-    engine = SpeculativeEngine(
-        target,
-        drafter,
-        slots=slots,
-        capacity=capacity,
-        block_size=block_size,
-        buckets=buckets,
-        policy=policy,
-        cost_table=cost_table,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        seed=seed,
-        policy_kwargs=policy_kwargs,
+    """Speculative decoding through the slots with the `build_engine` options in
+    `engine_kw` (policy by name or object, cost_table, buckets, temperature, ...)."""
+    engine = build_engine(
+        target, drafter, slots=slots, capacity=capacity, eos_ids=eos_ids, **engine_kw
     )
     results, wall, warmup, loop_steps = _timed(engine, list(requests), repeats)
     row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
-    name = getattr(engine.policy, "name", type(engine.policy).__name__)
+    if drafter is None:
+        return {"method": "plain", "policy": None, "slots": slots, **row, "draft_fraction": 0.0}
     return {
         "method": "speculative",
-        "policy": name,
+        "policy": engine.policy.name,
         "slots": slots,
         "block_size": engine.block_size,
         "buckets": list(engine.buckets),

@@ -1,14 +1,15 @@
 """Plain batched generation with the target: one jitted `lax.while_loop` over a pytree state.
 
-Dimensions: B rows, P padded prompt length, N max new tokens (static capacity),
-S cache capacity, V vocab.
+Dimensions: B rows, Q padded prompt length, T max new tokens (static), S cache capacity,
+V vocab.
 
 Prompts are right-padded and prefilled in ONE target call (`num_new_B` = each row's prompt
 length, so padding is written but never committed); then one token per step per row.
 Rows stop independently on any EOS id (the EOS is kept) or their own max-new-tokens; a
-finished row keeps riding the batch with `num_new = 0`, so its cache never advances.
-The target travels as (graphdef, state) with the graphdef static: the program compiles once
-per (graphdef, B, P, N, S, eos ids, greedy) and other decoders can reuse `split_target`.
+finished row keeps riding the batch with `num_new = 0`, so its cache never advances. Tokens
+are picked and committed by the same functions as the speculative engine's (`tokens.py`).
+The target travels as one (graphdef, state) pair (`split_target`; the graphdef is static
+pytree data): the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy).
 
 RNG schedule (the Python-loop reference in the tests follows it): `rng, key = split(rng)`
 before the prefill sample and before every step's sample.
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from adaflash_jax.decode.sampling import greedy_tokens, sample_tokens
+from adaflash_jax.decode.tokens import append_tokens, pick_tokens
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.target import TargetLM
@@ -40,46 +41,32 @@ class GenerateError(ValueError):
 @struct.dataclass
 class DecodeState:
     cache: KVCache
-    tokens_BxN: jax.Array  # generated tokens; slots past num_out_B hold -1
+    tokens_BxT: jax.Array  # generated tokens; slots past num_out_B hold -1
     num_out_B: jax.Array  # int32 tokens generated so far
     done_B: jax.Array  # bool: hit EOS or its max-new-tokens
     rng: jax.Array
 
 
 def split_target(model: TargetLM) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state): the form jitted decoders take the target in (graphdef static)."""
+    """(graphdef, state): the form jitted decoders take a model in."""
     return nnx.split(model)
 
 
-def _pick(key, logits_BxV, temperature_B, top_p_B, greedy: bool, nucleus: bool):
-    if greedy:
-        return greedy_tokens(logits_BxV)
-    # A static 1.0 lets sampling skip the vocabulary sort when no row filters by top-p.
-    return sample_tokens(key, logits_BxV, temperature_B, top_p_B if nucleus else 1.0)
-
-
-def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_ids) -> DecodeState:
+def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_E) -> DecodeState:
     """Appends `tok_B` to active rows and updates their done flags."""
-    n = s.tokens_BxN.shape[1]
-    rows_B = jnp.arange(tok_B.shape[0])
-    slot_B = jnp.where(active_B, s.num_out_B, n)  # out of range: dropped
-    tokens_BxN = s.tokens_BxN.at[rows_B, slot_B].set(tok_B, mode="drop")
-    num_out_B = s.num_out_B + active_B.astype(jnp.int32)
-    is_eos_B = jnp.zeros_like(active_B)
-    for e in eos_ids:
-        is_eos_B = is_eos_B | (tok_B == e)
-    done_B = s.done_B | (active_B & (is_eos_B | (num_out_B >= max_new_B)))
-    return s.replace(tokens_BxN=tokens_BxN, num_out_B=num_out_B, done_B=done_B)
+    one_B = jnp.ones_like(s.num_out_B)
+    tokens_BxT, num_out_B, done_B = append_tokens(
+        s.tokens_BxT, s.num_out_B, s.done_B, tok_B[:, None], one_B, active_B, max_new_B, eos_E
+    )
+    return s.replace(tokens_BxT=tokens_BxT, num_out_B=num_out_B, done_B=done_B)
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "capacity", "eos_ids", "greedy", "nucleus"),
+    jax.jit, static_argnames=("max_new_tokens", "capacity", "eos_ids", "greedy", "nucleus")
 )
 def generate_jit(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    prompt_BxP: jax.Array,
+    target: tuple[nnx.GraphDef, nnx.State],
+    prompt_BxQ: jax.Array,
     prompt_len_B: jax.Array,
     max_new_B: jax.Array,
     temperature_B: jax.Array,
@@ -93,12 +80,14 @@ def generate_jit(
     nucleus: bool = True,
 ) -> DecodeState:
     """Prefill + while_loop decode; returns the final state (inputs validated by `generate`)."""
-    model = nnx.merge(graphdef, state)
-    b = prompt_BxP.shape[0]
+    model = nnx.merge(*target)
+    b = prompt_BxQ.shape[0]
     rows_B = jnp.arange(b)
+    eos_E = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    top_p = top_p_B if nucleus else None  # None: no vocabulary sort when no row filters
 
     out = model(
-        prompt_BxP,
+        prompt_BxQ,
         cache=model.init_cache(b, capacity),
         num_new_B=prompt_len_B,
         compute_logits=False,
@@ -106,24 +95,24 @@ def generate_jit(
     last_hidden_BxD = out.hidden_BxTxD[rows_B, prompt_len_B - 1]
     logits_BxV = model.logits(last_hidden_BxD[:, None])[:, 0]
     rng, key = jax.random.split(rng)
-    first_B = _pick(key, logits_BxV, temperature_B, top_p_B, greedy, nucleus)
+    first_B = pick_tokens(key, logits_BxV, temperature_B, top_p, greedy=greedy)
     s = DecodeState(
         cache=out.cache,
-        tokens_BxN=jnp.full((b, max_new_tokens), -1, jnp.int32),
+        tokens_BxT=jnp.full((b, max_new_tokens), -1, jnp.int32),
         num_out_B=jnp.zeros((b,), jnp.int32),
         done_B=jnp.zeros((b,), bool),
         rng=rng,
     )
-    s = _commit(s, first_B, jnp.ones((b,), bool), max_new_B, eos_ids)
+    s = _commit(s, first_B, jnp.ones((b,), bool), max_new_B, eos_E)
 
     def step(s: DecodeState) -> DecodeState:
         active_B = ~s.done_B
-        last_B = s.tokens_BxN[rows_B, s.num_out_B - 1]
+        last_B = s.tokens_BxT[rows_B, s.num_out_B - 1]
         out = model(last_B[:, None], cache=s.cache, num_new_B=active_B.astype(jnp.int32))
         rng, key = jax.random.split(s.rng)
-        tok_B = _pick(key, out.logits_BxTxV[:, 0], temperature_B, top_p_B, greedy, nucleus)
+        tok_B = pick_tokens(key, out.logits_BxTxV[:, 0], temperature_B, top_p, greedy=greedy)
         s = s.replace(cache=out.cache, rng=rng)
-        return _commit(s, tok_B, active_B, max_new_B, eos_ids)
+        return _commit(s, tok_B, active_B, max_new_B, eos_E)
 
     return jax.lax.while_loop(lambda s: jnp.any(~s.done_B), step, s)
 
@@ -139,7 +128,7 @@ def _per_row(value, b: int, name: str) -> list:
 class PreparedBatch:
     """Validated device inputs for `generate_jit` and its static knobs."""
 
-    arrays: tuple[jax.Array, ...]  # prompt_BxP, prompt_len_B, max_new_B, temperature_B, top_p_B
+    arrays: tuple[jax.Array, ...]  # prompt_BxQ, prompt_len_B, max_new_B, temperature_B, top_p_B
     static: dict  # max_new_tokens, capacity, eos_ids, greedy
 
 
@@ -179,18 +168,18 @@ def prepare_batch(
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
     n = max(max_new)
-    p_pad = -(-max(lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
+    q_pad = -(-max(lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
     needed = max(length + m for length, m in zip(lengths, max_new))
-    capacity = capacity if capacity is not None else p_pad + n
+    capacity = capacity if capacity is not None else q_pad + n
     if needed > capacity:
         raise GenerateError(f"cache capacity {capacity} is smaller than prompt + new ({needed})")
 
-    prompt_BxP = np.zeros((b, p_pad), np.int32)
+    prompt_BxQ = np.zeros((b, q_pad), np.int32)
     for i, prompt in enumerate(prompts):
-        prompt_BxP[i, : len(prompt)] = np.asarray(prompt, np.int32)
+        prompt_BxQ[i, : len(prompt)] = np.asarray(prompt, np.int32)
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
     arrays = (
-        jnp.asarray(prompt_BxP),
+        jnp.asarray(prompt_BxQ),
         jnp.asarray(lengths, jnp.int32),
         jnp.asarray(max_new, jnp.int32),
         jnp.asarray(temps, jnp.float32),
@@ -221,11 +210,9 @@ def generate(
     (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
     temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
     if isinstance(target, TargetLM):
-        cfg = target.config
-        graphdef, state = split_target(target)
+        cfg, target = target.config, split_target(target)
     else:
-        graphdef, state = target
-        cfg = nnx.merge(graphdef, state).config  # no arrays are copied
+        cfg = nnx.merge(*target).config  # no arrays are copied
     batch = prepare_batch(
         cfg,
         prompts,
@@ -235,6 +222,6 @@ def generate(
         eos_ids=eos_ids,
         capacity=capacity,
     )
-    final = generate_jit(graphdef, state, *batch.arrays, jax.random.key(seed), **batch.static)
-    tokens_BxN, num_out_B = jax.device_get((final.tokens_BxN, final.num_out_B))
-    return [tokens_BxN[i, : num_out_B[i]].tolist() for i in range(len(prompts))]
+    final = generate_jit(target, *batch.arrays, jax.random.key(seed), **batch.static)
+    tokens_BxT, num_out_B = jax.device_get((final.tokens_BxT, final.num_out_B))
+    return [tokens_BxT[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

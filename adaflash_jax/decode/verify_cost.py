@@ -3,13 +3,13 @@
 Dimensions: NR row counts, NW widths (verify buckets), B rows, W width, C context length.
 
 The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
-the table is static data (tuples, hashable). It is measured by a short calibration pass on the
-current device (`calibrate`: the jitted target verify at each (rows, width) and the drafter's
-block forward at each row count, over caches of the engine's capacity — attention reads the
-whole fixed-size cache, masked, so the capacity, not the filled length, sets the cost), cached
-as JSON under
-`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE) keyed by
-device kind, model shapes and slot count, or loaded from any JSON file in the same format.
+the table is static data (tuples, hashable). Goodput's is measured on the engine's own step
+(`goodput/step_cost.py`, cached as JSON under `~/.cache/adaflash_jax/verify_cost/`, override:
+`cache_dir=` or $ADAFLASH_CACHE, keyed by device kind, models and engine settings) or loaded
+from any JSON file in this format. `calibrate` times bare forwards instead (the target verify
+at each (rows, width), the drafter's block forward at each row count, over caches of the
+engine's capacity: attention reads the whole fixed-size cache, masked, so the capacity, not
+the filled length, sets the cost); the benchmark reads it for the ideal speedup.
 """
 
 from __future__ import annotations
@@ -139,15 +139,6 @@ def device_kind() -> str:
     return f"{dev.platform}:{dev.device_kind}"
 
 
-def default_rows(slots: int) -> tuple[int, ...]:
-    """1, 4, 16, … below `slots`, then `slots` itself (few cells: each one compiles)."""
-    rows, r = [], 1
-    while r < slots:
-        rows.append(r)
-        r *= 4
-    return tuple(rows + [slots])
-
-
 def model_key(target, drafter) -> str:
     t = dataclasses.asdict(target.config)
     d = dataclasses.asdict(drafter.config) if drafter is not None else None
@@ -155,15 +146,15 @@ def model_key(target, drafter) -> str:
     return json.dumps([t, d, dtypes], sort_keys=True, default=str)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "feature_layers"))
-def _verify_fwd(graphdef, state, tokens_BxW, cache, feature_layers):
-    out = nnx.merge(graphdef, state)(tokens_BxW, cache=cache, feature_layers=feature_layers)
+@functools.partial(jax.jit, static_argnames=("feature_layers",))
+def _verify_fwd(target, tokens_BxW, cache, feature_layers):
+    out = nnx.merge(*target)(tokens_BxW, cache=cache, feature_layers=feature_layers)
     return out.logits_BxTxV, out.features_BxTxnD, out.cache.k[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _draft_fwd(graphdef, state, cache, bonus_B, embedding_VxD, lm_head_DxV):
-    return nnx.merge(graphdef, state).draft(cache, bonus_B, embedding_VxD, lm_head_DxV)
+@jax.jit
+def _draft_fwd(drafter, cache, bonus_B, embedding_VxD, lm_head_DxV):
+    return nnx.merge(*drafter).draft(cache, bonus_B, embedding_VxD, lm_head_DxV)
 
 
 def _median_ms(repeats: int, fn, *args) -> float:
@@ -189,7 +180,7 @@ def calibrate(
     """Times the target verify at each (rows, width) and the drafter block at each row count
     over caches of `capacity` slots holding `context_len` tokens (default: half full).
     Compiles one program per cell."""
-    tdef, tstate = nnx.split(target)
+    target_pair = nnx.split(target)
     layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
     if context_len is None:
         context_len = capacity // 2
@@ -201,16 +192,16 @@ def calibrate(
         row = []
         for w in widths:
             tokens = jnp.zeros((r, w), jnp.int32)
-            row.append(_median_ms(repeats, _verify_fwd, tdef, tstate, tokens, cache, layers))
+            row.append(_median_ms(repeats, _verify_fwd, target_pair, tokens, cache, layers))
         verify.append(tuple(row))
         if drafter is None:
             draft.append(0.0)
             continue
-        ddef, dstate = nnx.split(drafter)
         ctx = drafter.init_context_cache(r, capacity).with_lengths(jnp.full((r,), context_len))
         emb, head = target.embedding_VxD(), target.lm_head_DxV()
         bonus = jnp.zeros((r,), jnp.int32)
-        draft.append(_median_ms(repeats, _draft_fwd, ddef, dstate, ctx, bonus, emb, head))
+        pair = nnx.split(drafter)
+        draft.append(_median_ms(repeats, _draft_fwd, pair, ctx, bonus, emb, head))
     return VerifyCostTable(
         rows=rows,
         widths=widths,
@@ -237,62 +228,3 @@ def cached_table(path: str, measure) -> VerifyCostTable:
     table = measure()
     table.save(path)
     return table
-
-
-def cache_path(target, drafter, *, slots, widths, capacity, cache_dir=None) -> str:
-    key = [model_key(target, drafter), slots, widths, capacity]
-    return keyed_path("", slots, key, cache_dir)
-
-
-def load_or_calibrate(
-    target,
-    drafter,
-    *,
-    slots: int,
-    widths: tuple[int, ...],
-    capacity: int,
-    repeats: int = 5,
-    cache_dir: str | None = None,
-    path: str | os.PathLike | None = None,
-) -> VerifyCostTable:
-    """The table from `path` if given; else the cached calibration for this device, model,
-    slot count, widths and capacity; else calibrates now and caches the result."""
-    if path is not None:
-        return VerifyCostTable.load(path)
-    cached = cache_path(
-        target, drafter, slots=slots, widths=widths, capacity=capacity, cache_dir=cache_dir
-    )
-    return cached_table(
-        cached,
-        lambda: calibrate(
-            target,
-            drafter,
-            rows=default_rows(slots),
-            widths=widths,
-            capacity=capacity,
-            repeats=repeats,
-        ),
-    )
-
-
-def from_forward_ms_json(path: str | os.PathLike, *, ctx: int, draft_ms=None) -> VerifyCostTable:
-    """Builds a table from a `target_forward_ms` list of {B, T, ctx, ms} (the format of
-    shared/data/h200_qwen3_8b_shape_forward_ms.json) at one context length."""
-    with open(path) as f:
-        data = json.load(f)
-    cells = {(c["B"], c["T"]): c["ms"] for c in data["target_forward_ms"] if c["ctx"] == ctx}
-    if not cells:
-        raise ValueError(f"{path} has no timings at ctx {ctx}")
-    rows = tuple(sorted({b for b, _ in cells}))
-    widths = tuple(sorted({t for _, t in cells}))
-    missing = [(b, t) for b in rows for t in widths if (b, t) not in cells]
-    if missing:
-        raise ValueError(f"{path} lacks timings for (B, T) = {missing[:4]} at ctx {ctx}")
-    return VerifyCostTable(
-        rows=rows,
-        widths=widths,
-        verify_ms=tuple(tuple(cells[(b, t)] for t in widths) for b in rows),
-        draft_ms=tuple(draft_ms or (0.0,) * len(rows)),
-        device=str(data.get("device", "unknown")),
-        model=json.dumps(data.get("shape", {}), sort_keys=True),
-    )

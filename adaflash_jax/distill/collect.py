@@ -5,7 +5,7 @@ size, P = K−1, V vocab.
 
 Two backends give the same per-step record (anchor position, accepted drafts):
 
-- "engine": real speculative decoding with `decode.speculative.SpeculativeEngine` (helper
+- "engine": real speculative decoding with `decode.slots.SpeculativeEngine` (helper
   module of the serving path) on the prompts; works at any collection temperature.
 - "replay": greedy only. Greedy speculative decoding is lossless, so its output IS the
   target's greedy response, and every step's outcome is a function of that response: the
@@ -201,7 +201,6 @@ def engine_collect(
         drafter,
         slots=slots,
         capacity=capacity,
-        policy="fixed",
         temperature=temperature,
         seed=seed,
         eos_ids=eos_ids,

@@ -46,7 +46,6 @@ def generate_greedy(
     """Greedy responses (EOS included when reached), one compiled program for all batches."""
     from tqdm.auto import tqdm
 
-    graphdef, state = target_split
     p_pad = -(-max(len(p) for p in prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
     b = batch_size  # not capped by the prompt count: every split shares one program
     out: list[list[int]] = []
@@ -65,15 +64,14 @@ def generate_greedy(
         prompt_BxP = np.zeros((b, p_pad), np.int32)
         prompt_BxP[:, : prepared.arrays[0].shape[1]] = np.asarray(prepared.arrays[0])
         final = generate_jit(
-            graphdef,
-            state,
+            target_split,
             prompt_BxP,
             *prepared.arrays[1:],
             jax.random.key(0),
             **prepared.static,
         )
-        tokens_BxN, num_B = jax.device_get((final.tokens_BxN, final.num_out_B))
-        out.extend(tokens_BxN[i, : num_B[i]].tolist() for i in range(real))
+        tokens_BxT, num_B = jax.device_get((final.tokens_BxT, final.num_out_B))
+        out.extend(tokens_BxT[i, : num_B[i]].tolist() for i in range(real))
     return out
 
 

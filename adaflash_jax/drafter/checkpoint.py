@@ -36,8 +36,8 @@ from adaflash_jax.drafter.config import DrafterConfig, LengthHeadConfig
 from adaflash_jax.drafter.length_head import ACCEPT_FEATURES
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
-from adaflash_jax.model.checkpoint import CheckpointError
-from adaflash_jax.model.config import ConfigError, RopeScaling, default_feature_layers
+from adaflash_jax.model.checkpoint import CheckpointError, layer_param_table
+from adaflash_jax.model.config import ConfigError, default_feature_layers, read_rope
 
 HEAD_PREFIX = "thresh_head_two_model."
 HEAD_PARTS = ("down", "res.0", "out")  # LengthHead's down, res and out (DESIGN §4.3)
@@ -54,15 +54,7 @@ def drafter_param_table(drafter: Drafter) -> dict[str, tuple[nnx.Variable, bool]
         "norm.weight": (drafter.norm.weight, False),
     }
     for i, layer in enumerate(drafter.layers):
-        p = f"layers.{i}."
-        t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, False)
-        t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, False)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            t[f"{p}self_attn.{name}.weight"] = (getattr(layer.self_attn, name).kernel, True)
-        t[p + "self_attn.q_norm.weight"] = (layer.self_attn.q_norm.weight, False)
-        t[p + "self_attn.k_norm.weight"] = (layer.self_attn.k_norm.weight, False)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            t[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
+        t.update(layer_param_table(layer, f"layers.{i}."))
     if drafter.length_head is not None:
         t.update(length_head_param_table(drafter))
     return t
@@ -183,19 +175,7 @@ def config_from_hf(
         head = with_length_head
         if head is None:
             head = bool(dflash.get("use_thresh_head_two_model", False))
-        scaling = raw.get("rope_scaling") or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-            scaling = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
-        elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ConfigError(f"unsupported drafter rope scaling {scaling}")
-        else:
-            scaling = None
-        theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        theta, scaling = read_rope(raw, default_theta=1e6)
         if head and accept_dim is None:
             entry = _accept_entry(raw)
             accept_dim = entry["accept_dim"] if entry else 0
@@ -209,7 +189,7 @@ def config_from_hf(
             num_key_value_heads=raw.get("num_key_value_heads", n_heads),
             head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             vocab_size=raw["vocab_size"],

@@ -19,7 +19,7 @@ from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
-from adaflash_jax.model.kv_cache import KVCache, write_rows
+from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
 
 
@@ -117,34 +117,21 @@ class Drafter(nnx.Module):
 
     def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
         """Every layer's context keys/values [B, T, Kv, Dh] for T newly committed tokens at
-        positions lengths + t, WITHOUT writing them (the engine computes them inside a verify
-        branch, over that branch's width only, and writes outside it)."""
-        t = features_BxTxnD.shape[1]
-        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        `cache.positions(T)`, WITHOUT writing them (the engine computes them inside a verify
+        branch, over that branch's width only, and writes them with `KVCache.write`)."""
+        positions_BxT = cache.positions(features_BxTxnD.shape[1])
         ctx_BxTxD = self.fuse(features_BxTxnD)
         kv = [layer.self_attn.keys_values(ctx_BxTxD, positions_BxT) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
-    def write_context(self, cache: KVCache, new_k, new_v, num_new_B) -> KVCache:
-        """Writes `context_entries` at positions lengths + t and commits `num_new_B` of them
-        (entries past that are written but stay masked)."""
-        t = new_k[0].shape[1]
-        positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        return KVCache(
-            k=tuple(write_rows(c, n, positions_BxT) for c, n in zip(cache.k, new_k)),
-            v=tuple(write_rows(c, n, positions_BxT) for c, n in zip(cache.v, new_v)),
-            lengths=cache.lengths + num_new_B,
-        )
-
     def append_context(self, cache: KVCache, features_BxTxnD, num_new_B=None) -> KVCache:
         """Projects newly committed tokens' features into every layer's context K/V.
 
-        Entries past `num_new_B[b]` are written but not committed (stale slots are masked).
+        Entries past `num_new_B[b]` (default: all T) are written but not committed.
         """
         b, t, _ = features_BxTxnD.shape
         advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
-        new_k, new_v = self.context_entries(cache, features_BxTxnD)
-        return self.write_context(cache, new_k, new_v, advance)
+        return cache.write(*self.context_entries(cache, features_BxTxnD), advance=advance)
 
     # ---- serving: one block per row --------------------------------------------------------
     def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
@@ -158,7 +145,7 @@ class Drafter(nnx.Module):
         block_BxK = jnp.concatenate(
             [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
         )
-        positions_BxK = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+        positions_BxK = cache.positions(k)
         mask = masks.DenseMask(masks.decode_mask(cache.lengths, cache.capacity, k))
         x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
         for i, layer in enumerate(self.layers):

@@ -37,20 +37,25 @@ def hf_param_table(model: TargetLM) -> dict[str, tuple[nnx.Variable, bool]]:
     if model.lm_head is not None:
         table["lm_head.weight"] = (model.lm_head.kernel, True)
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[f"{p}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
-        if attn.q_norm is not None:
-            table[f"{p}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
-            table[f"{p}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            table[f"{p}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
-        table[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, False)
-        table[f"{p}post_attention_layernorm.weight"] = (
-            layer.post_attention_layernorm.weight,
-            False,
-        )
+        table.update(layer_param_table(layer, f"model.layers.{i}."))
+    return table
+
+
+def layer_param_table(layer, prefix: str) -> dict[str, tuple[nnx.Variable, bool]]:
+    """One Llama/Qwen3 decoder layer's HF tensor names under `prefix` → (Variable, stored
+    transposed as [out, in]): the target's layers and the DFlash drafter's share them."""
+    attn = layer.self_attn
+    table = {
+        f"{prefix}input_layernorm.weight": (layer.input_layernorm.weight, False),
+        f"{prefix}post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, False),
+    }
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        table[f"{prefix}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
+    if attn.q_norm is not None:
+        table[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
+        table[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        table[f"{prefix}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
     return table
 
 

@@ -117,7 +117,8 @@ class TargetConfig:
             raise ConfigError(f"config.json is missing required fields: {missing}")
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        rope_theta, rope_scaling = _read_rope(cfg, model_type)
+        default_theta = 1_000_000.0 if model_type == "qwen3" else 10_000.0
+        rope_theta, rope_scaling = read_rope(cfg, default_theta)
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(eos)
@@ -192,9 +193,9 @@ def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:
     return tuple(min(max(i, 0), n_layers - 1) for i in ids)
 
 
-def _read_rope(cfg: dict[str, Any], model_type: str) -> tuple[float, RopeScaling | None]:
-    """Reads RoPE settings from the old top-level form or the newer `rope_parameters` form."""
-    default_theta = 1_000_000.0 if model_type == "qwen3" else 10_000.0
+def read_rope(cfg: dict[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling of a HF config.json (a target's or a drafter's), from the old
+    top-level form (`rope_theta`, `rope_scaling`) or the newer `rope_parameters` form."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta")))

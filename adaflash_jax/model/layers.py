@@ -1,7 +1,7 @@
 """Building blocks shared by the target LLM and the drafter.
 
-Dimensions: B batch, T query tokens, S key tokens, D model, H query heads, K kv heads
-(G = H/K queries per kv head), Dh head dim, F MLP hidden.
+Dimensions: B batch, T query tokens, S key tokens (a cache's capacity), D model, H query
+heads, Kv kv heads (G = H/Kv queries per kv head), Dh head dim, F MLP hidden.
 
 Every parameter carries `logical_axes` metadata; `adaflash_jax.sharding.rules` maps those
 names to mesh axes, so modules never mention a mesh.
@@ -78,25 +78,52 @@ class SwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
+def attend(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, mask_BxTxS):
     """Grouped-query softmax attention; scores and softmax in float32."""
     b, t, h, dh = q_BxTxHxDh.shape
-    kv_heads = k_BxSxKxDh.shape[2]
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, h // kv_heads, dh)
-    scores_BxKxGxTxS = jnp.einsum(
-        "btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh, preferred_element_type=jnp.float32
+    kv_heads = k_BxSxKvxDh.shape[2]
+    q_BxTxKvxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, h // kv_heads, dh)
+    scores_BxKvxGxTxS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BxTxKvxGxDh, k_BxSxKvxDh, preferred_element_type=jnp.float32
     ) * (dh**-0.5)
-    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, NEG_INF)
-    probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxDh.dtype)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh)
-    return out_BxTxKxGxDh.reshape(b, t, h, dh)
+    scores_BxKvxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKvxGxTxS, NEG_INF)
+    probs = jax.nn.softmax(scores_BxKvxGxTxS, axis=-1).astype(v_BxSxKvxDh.dtype)
+    out_BxTxKvxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKvxDh)
+    return out_BxTxKvxGxDh.reshape(b, t, h, dh)
+
+
+def attend_cached(q_BxTxHxDh, cache_k_BxSxKvxDh, cache_v, lengths_B, new_k_BxTxKvxDh, new_v):
+    """Attention of T new tokens over [a cache's committed entries ; themselves (causal)]
+    WITHOUT writing them into the cache: a two-part softmax (no concatenation, which would
+    copy the cache), float32 scores, probabilities normalised before the value product."""
+    b, t, h, dh = q_BxTxHxDh.shape
+    kv = cache_k_BxSxKvxDh.shape[2]
+    q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
+    scale = dh**-0.5
+    f32 = jnp.float32
+    cache_k, cache_v = cache_k_BxSxKvxDh.astype(q.dtype), cache_v.astype(q.dtype)
+    s_cache = jnp.einsum("btkgd,bskd->bkgts", q, cache_k, preferred_element_type=f32) * scale
+    s_new = jnp.einsum("btkgd,bukd->bkgtu", q, new_k_BxTxKvxDh, preferred_element_type=f32)
+    s_new = s_new * scale
+    visible_BxS = jnp.arange(cache_k.shape[1])[None, :] < lengths_B[:, None]
+    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+    s_cache = jnp.where(visible_BxS[:, None, None, None, :], s_cache, NEG_INF)
+    s_new = jnp.where(causal_TxT[None, None, None], s_new, NEG_INF)
+    top = jnp.maximum(s_cache.max(axis=-1), s_new.max(axis=-1))[..., None]
+    p_cache, p_new = jnp.exp(s_cache - top), jnp.exp(s_new - top)
+    denom = p_cache.sum(axis=-1, keepdims=True) + p_new.sum(axis=-1, keepdims=True)
+    p_cache = (p_cache / denom).astype(cache_v.dtype)
+    p_new = (p_new / denom).astype(new_v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cache_v)
+    out = out + jnp.einsum("bkgtu,bukd->btkgd", p_new, new_v)
+    return out.reshape(b, t, h, dh)
 
 
 class AttentionProjections(nnx.Module):
     """The q/k/v/o projections, optional per-head q/k RMSNorm and RoPE of one attention layer.
 
-    Shared by the target's attention, its cache-reading verify path and the drafter's
-    KV-injected attention, so the three compute queries, keys and values the same way.
+    Shared by the target's attention and the drafter's KV-injected attention, so both compute
+    queries, keys and values the same way.
     """
 
     def __init__(

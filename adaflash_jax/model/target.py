@@ -1,12 +1,20 @@
 """The frozen target LLM: a Llama / Qwen3 dense decoder in Flax NNX (DESIGN §2).
 
 Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
-H query heads, K kv heads, Dh head dim, L layers, n feature layers.
+H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
 
-One forward serves every use: training (no cache: causal over T), prefill and extend
-(cache: T new tokens per row written at `lengths[b] + t`, causal among themselves), and
-verification (extend, then roll back by moving lengths). It can return the outputs of
-chosen decoder layers, the context features the drafter conditions on.
+One layer loop serves every use: training (no cache: causal over T), and T new tokens per
+row at `cache.positions(T)`, causal among themselves and seeing every committed entry, in
+one of two cache modes:
+- "write" (prefill, plain decoding): each layer writes its new keys/values into the cache
+  and attends over it; the returned cache has the new lengths.
+- "read" (the speculative engine's verify): each layer only reads the cache and the
+  forward returns the new keys/values (`new_kv`) for the caller to write. The engine
+  verifies inside a `lax.switch` over width buckets inside a `while_loop`, and XLA copies a
+  buffer that a conditional branch updates (jax-ml/jax#5986, #38145): the whole KV cache,
+  every step. Read mode keeps the cache out of the branch's outputs; the engine writes the
+  new entries once, after the switch (`KVCache.write`).
+It can return the outputs of chosen decoder layers, the drafter's context features.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ from adaflash_jax.model.layers import (
     RMSNorm,
     SwiGLU,
     attend,
+    attend_cached,
     normal_init,
 )
+
+CACHE_MODES = ("write", "read")
 
 
 @struct.dataclass
@@ -35,7 +46,9 @@ class TargetOutput:
     logits_BxTxV: jax.Array | None
     features_BxTxnD: jax.Array | None  # chosen layers' features (`TargetLM.feature`), in
     # request order, concatenated
-    cache: KVCache | None
+    cache: KVCache | None  # "write" mode: the cache with the new entries, lengths moved
+    new_kv: tuple[tuple, tuple] | None = None  # "read" mode: per-layer [B, T, Kv, Dh] keys,
+    # values in the cache dtype, not written
 
 
 class Attention(AttentionProjections):
@@ -53,20 +66,25 @@ class Attention(AttentionProjections):
             param_dtype=param_dtype,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, kv_cache=None):
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv=None, lengths_B=None):
+        """Without `cache_kv`: attention over x under the mask. With the layer's cache
+        (k, v) and `mask_BxTxS` ("write" mode): writes the new entries and attends over the
+        written cache, returning the updated (k, v). With the cache and the committed
+        `lengths_B` instead of a mask ("read" mode): attends over [cache ; new] without
+        writing, returning the new (k, v) in the cache dtype."""
         q = self.queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
-        if kv_cache is not None:
-            k_all, v_all = (
-                write_rows(kv_cache[0], k, positions_BxT),
-                write_rows(kv_cache[1], v, positions_BxT),
-            )
+        if cache_kv is None:
+            return self.output(attend(q, k, v, mask_BxTxS)), None
+        cache_k, cache_v = cache_kv
+        if lengths_B is None:
+            k_all = write_rows(cache_k, k, positions_BxT)
+            v_all = write_rows(cache_v, v, positions_BxT)
             out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxS)
-            new_cache = (k_all, v_all)
-        else:
-            out = attend(q, k, v, mask_BxTxS)
-            new_cache = None
-        return self.output(out), new_cache
+            return self.output(out), (k_all, v_all)
+        k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+        out = attend_cached(q, cache_k, cache_v, lengths_B, k.astype(q.dtype), v.astype(q.dtype))
+        return self.output(out), (k, v)
 
 
 class DecoderLayer(nnx.Module):
@@ -79,11 +97,11 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
 
-    def __call__(self, x, positions, mask, kv_cache=None):
-        attn, new_cache = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache)
+    def __call__(self, x, positions, mask, cache_kv=None, lengths_B=None):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, lengths_B)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+        return x, kv
 
 
 class TargetLM(nnx.Module):
@@ -135,8 +153,7 @@ class TargetLM(nnx.Module):
     def feature(self, layer: int, x_BxTxD):
         """Decoder layer `layer`'s output `x_BxTxD` as the drafter's feature: HF
         `hidden_states[layer + 1]` (DESIGN §2). HF's last entry is after the final norm, so
-        the last layer's feature is normed too. Every layer loop that returns features
-        (this forward and the engine's `verify_forward`) takes them from here."""
+        the last layer's feature is normed too."""
         if layer == self.config.num_hidden_layers - 1:
             return self.norm(x_BxTxD)
         return x_BxTxD
@@ -163,6 +180,7 @@ class TargetLM(nnx.Module):
         tokens_BxT: jax.Array,
         *,
         cache: KVCache | None = None,
+        cache_mode: str = "write",
         positions_BxT: jax.Array | None = None,
         num_new_B: jax.Array | None = None,
         segment_ids_BxT: jax.Array | None = None,
@@ -172,9 +190,10 @@ class TargetLM(nnx.Module):
         """Runs T new tokens per row.
 
         Without a cache the tokens attend causally to each other (training). With a cache,
-        row b's tokens sit at positions `cache.lengths[b] + t`, see every cached token before
-        them, and the returned cache has `lengths + num_new_B` (default T): padding past
-        `num_new_B[b]` is written but left uncommitted.
+        row b's tokens sit at `cache.positions(T)` and see every committed entry before them.
+        "write" mode returns the cache with `lengths + num_new_B` (default T): padding past
+        `num_new_B[b]` is written but left uncommitted. "read" mode leaves the cache alone
+        and returns the new entries (`new_kv`).
         """
         b, t = tokens_BxT.shape
         feature_layers = tuple(feature_layers)
@@ -184,10 +203,16 @@ class TargetLM(nnx.Module):
                     f"feature layer {i} is outside the target's "
                     f"{self.config.num_hidden_layers} layers"
                 )
+        if cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+        lengths_B = mask_BxTxS = None
         if cache is not None:
-            positions_BxT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
-            mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
+            positions_BxT = cache.positions(t)
+            if cache_mode == "read":
+                lengths_B = cache.lengths
+            else:
+                key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
+                mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
         else:
             if positions_BxT is None:
                 positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -196,22 +221,23 @@ class TargetLM(nnx.Module):
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
         x = self.embed(tokens_BxT)
-        features = {}
-        new_k, new_v = [], []
+        features, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-            x, updated = layer(x, positions_BxT, mask_BxTxS, layer_cache)
-            if updated is not None:
-                new_k.append(updated[0])
-                new_v.append(updated[1])
+            layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            x, kv = layer(x, positions_BxT, mask_BxTxS, layer_kv, lengths_B)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
             if i in feature_layers:
                 features[i] = self.feature(i, x)
         hidden = self.norm(x)
-        new_cache = None
-        if cache is not None:
+        new_cache = new_kv = None
+        if cache is not None and cache_mode == "read":
+            new_kv = (tuple(ks), tuple(vs))
+        elif cache is not None:
             advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
             new_cache = KVCache(
-                k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + advance.astype(jnp.int32)
+                k=tuple(ks), v=tuple(vs), lengths=cache.lengths + advance.astype(jnp.int32)
             )
         feats = (
             jnp.concatenate([features[i] for i in feature_layers], axis=-1)
@@ -223,4 +249,5 @@ class TargetLM(nnx.Module):
             logits_BxTxV=self.logits(hidden) if compute_logits else None,
             features_BxTxnD=feats,
             cache=new_cache,
+            new_kv=new_kv,
         )

@@ -117,7 +117,7 @@ class PlanInputs:
     @property
     def collect_shards(self) -> int:
         """Shards the collection rows are split into: none. The engine creates its caches and
-        buffers unsharded (`decode.speculative.init_state`), so the compiler keeps every slot
+        buffers unsharded (`decode.state.init_state`), so the compiler keeps every slot
         on every chip: the compiled 8B engine step at 256 slots on v5p-64 holds all 256
         rows' caches on each chip (BENCHMARKS.md, TPU section). Change this with the engine."""
         return 1

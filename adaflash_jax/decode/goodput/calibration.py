@@ -1,30 +1,23 @@
 """Online calibration of the acceptance estimator, per request row (goodput).
 
-Dimensions: B slots, K block size, C per-slot output buffer length.
+Dimensions: B slots, K block size, S per-slot output buffer length.
 
-Why: an estimator can be far off for a given drafter and domain. Measured with the tiny
-target on the embedded math prompts at one slot: the confidence estimator (the drafter's top
-probability) gave per-position rates of 0.1–0.5 and so about 0.5 expected accepted drafts
-per 8-wide step, while 5–7 were accepted (fixed-block τ 6.0): the drafter's argmax is right
-even where its distribution is flat. Goodput then stayed in plain steps where drafting paid
-1.6x. Scaling the expected count cannot fix that (it would need a factor > 10 that must not
-apply to prose, where the same estimator is too high), and an engine-wide correction learnt
-only from drafted steps learns nothing once nothing drafts.
+Why: an estimator can be far off for a given drafter and domain (BENCHMARKS.md §1: on the
+tiny target's math prompts the drafter's confidence expected ~0.5 accepted drafts per step
+where 5–7 were accepted), and scaling the expected count cannot fix that (the same factor
+would be wrong for prose), nor can an engine-wide correction learnt only from drafted steps
+(it learns nothing once nothing drafts).
 
 So each row calibrates its per-position estimates with an exponent, a_i ↦ a_i^γ (γ < 1 lifts
 an under-confident estimator, γ > 1 lowers an over-confident one, and the ordering across
 positions and steps is kept). Each observed outcome (a draft of known estimates, graded
 over width W, with n drafts accepted) moves the row's calibrated expected count
 Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the way towards n, and γ is refit to that count (by
-bisection: the count falls as γ grows). Outcomes come from:
-- drafted steps: the verified accepted count at the verified width;
-- probes, graded after the fact: a probe is a drafter forward without a verify; its greedy
-  drafts are compared with the tokens the following undrafted steps commit. In greedy
-  decoding the leading matches are exactly what verifying that draft would have accepted,
-  at no target cost. (With sampling, the match of the drafter's argmax against the sampled
-  token stands in for the rejection-sampling acceptance: a proxy, not the same quantity.)
-Only committed tokens are read, so decisions stay lossless. A fresh request starts from the
-engine-wide EMA of all rows' outcomes.
+bisection: the count falls as γ grows). Outcomes come from drafted steps (the verified
+count) and from probes graded after the fact (`skip.py`; with sampling, the match of the
+drafter's argmax against the sampled token stands in for rejection-sampling acceptance: a
+proxy). Only committed tokens are read, so decisions stay lossless. A fresh request starts
+from the engine-wide EMA of all rows' outcomes.
 """
 
 from __future__ import annotations
@@ -73,8 +66,8 @@ def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
 
     lo = jnp.full_like(target_B, -MAX_LOG_GAMMA)
     hi = jnp.full_like(target_B, MAX_LOG_GAMMA)
-    # unrolled: a rolled loop of tiny steps costs a loop iteration's overhead per step on
-    # the CPU, where this runs inside every probe and drafted step
+    # unrolled: this runs inside every probe and drafted step, and a rolled loop of tiny
+    # steps pays a loop iteration's overhead per step
     lo, hi = jax.lax.fori_loop(0, FIT_ITERS, body, (lo, hi), unroll=True)
     return 0.5 * (lo + hi)
 
@@ -104,17 +97,17 @@ def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
     return rows_B, jnp.where(n > 0, mean, log_gamma)
 
 
-def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxC, num_out_B):
+def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxS, num_out_B):
     """How a probe's drafts fared against the tokens committed since: a probe at output
     position at_B[b] drafted the tokens for positions at_B[b] .. at_B[b] + K − 2; of those,
     the ones committed so far can be graded. Returns (realised_B: leading matches, width_B:
     1 + graded positions, graded_B: live rows with at least one position to grade)."""
     b, km1 = drafts_BxKm1.shape
-    c = out_BxC.shape[1]
+    s = out_BxS.shape[1]
     avail_B = jnp.clip(num_out_B - at_B, 0, km1)
     j_Km1 = jnp.arange(km1, dtype=jnp.int32)
-    pos_BxKm1 = jnp.clip(at_B[:, None] + j_Km1[None, :], 0, c - 1)
-    committed_BxKm1 = jnp.take_along_axis(out_BxC, pos_BxKm1, axis=1)
+    pos_BxKm1 = jnp.clip(at_B[:, None] + j_Km1[None, :], 0, s - 1)
+    committed_BxKm1 = jnp.take_along_axis(out_BxS, pos_BxKm1, axis=1)
     match_BxKm1 = (committed_BxKm1 == drafts_BxKm1) & (j_Km1[None, :] < avail_B[:, None])
     realised_B = jnp.sum(jnp.cumprod(match_BxKm1.astype(jnp.int32), axis=1), axis=1)
     return realised_B, avail_B + 1, live_B & (avail_B > 0)

@@ -1,0 +1,71 @@
+"""What the engine needs from a drafter, and the drafting half of a step.
+
+Dimensions: B slots, K block size, D model, V vocab, T new tokens per row, S cache capacity,
+Kv kv heads, Dh head dim, nD concatenated target features.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from adaflash_jax.decode.policy import Draft
+from adaflash_jax.decode.tokens import sampling_probs
+from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.length_head import LengthHead
+from adaflash_jax.drafter.model import DraftOutput
+from adaflash_jax.model.kv_cache import KVCache
+
+
+class EngineDrafter(Protocol):
+    """The drafter as the engine uses it (an `nnx.Module`: it travels into `jax.jit` as a
+    (graphdef, state) pair). `drafter.model.Drafter` is the real one; tests use doubles."""
+
+    config: DrafterConfig  # block_size, target_layer_ids; validate_against(target config)
+    length_head: LengthHead | None  # r, and per-position acceptance if it has that output
+
+    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        """An empty drafter context: per drafter layer [B, S, Kv, Dh]."""
+
+    def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
+        """Per-layer context keys/values [B, T, Kv, Dh] of T committed tokens' target
+        features, at `cache.positions(T)`, not written (the engine writes them)."""
+
+    def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
+        """One block forward after each row's bonus token (at `cache.lengths`)."""
+
+
+def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
+    """One drafter forward after each row's bonus token, as the policy sees it: block states
+    and draft logits (plus the head outputs the policy reads), never sampled drafts."""
+    d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
+    hidden_BxKxD = jax.lax.stop_gradient(d.hidden_BxKxD)
+    logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
+    policy, active_B = spec.policy, ~s.done_B
+    return Draft(
+        hidden_BxKxD=hidden_BxKxD,
+        logits_BxKm1xV=logits_BxKm1xV,
+        length_r_B=drafter.length_head(hidden_BxKxD) if policy.needs_length_head else None,
+        head_accept_BxKm1=(
+            drafter.length_head.accept_probs(hidden_BxKxD, logits_BxKm1xV)
+            if policy.needs_accept_head
+            else None
+        ),
+        active_B=active_B,
+        num_running=jnp.sum(active_B.astype(jnp.int32)),
+        buckets=spec.buckets,
+    )
+
+
+def sample_drafts(key, logits_BxKm1xV, s, spec):
+    """The drafts [B, K−1] int32 and the distribution q [B, K−1, V] they were sampled from
+    (None when greedy: the argmax)."""
+    if spec.greedy:
+        return jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32), None
+    b, km1, v = logits_BxKm1xV.shape
+    q = sampling_probs(logits_BxKm1xV.reshape(b * km1, v), s.temperature, spec.top_p(s))
+    q_BxKm1xV = q.reshape(b, km1, v)
+    drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
+    return drafts_BxKm1, q_BxKm1xV

@@ -1,0 +1,302 @@
+"""The goodput length policy (`LengthPolicy`) and its acceptance estimators.
+
+Dimensions: B slots, K block size, NW widths (the verify buckets), V vocab, U deferred
+context positions, nD concatenated target features.
+
+Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
+step_ms(W) over the bucket set, where E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each
+row's per-position acceptance estimates a_i (drafts < i accepted) and step_ms is the cost
+table's draft + verify time (`verify_cost.VerifyCostTable`).
+
+With `skip_draft` (the "don't speculate" arm), before drafting it compares the best
+expected rate of a drafted step against a plain target step (width 1, no drafter forward),
+from each row's estimates of its latest drafter forward (a drafted step's or a probe's; a
+fresh request starts at the engine's running mean, 1 before any), calibrated to the row's
+realised acceptance (`calibration.py`). The decision reads earlier steps only and an
+undrafted step is exactly a plain decoding step, so decoding stays lossless. The engine runs
+the arm as two loop programs (`skip.py`). Without the arm the policy keeps no state.
+
+Acceptance estimators (per-position acceptance probability a_i of draft i):
+- "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
+  at temperature 1. For a calibrated drafter this is the chance its argmax is the target's.
+- "length_head": r estimates (A + 1)/K (DESIGN §4.3), so the mean accepted streak is
+  m = clip(r·K − 1, 0, K − 1); a constant per-position rate a solves Σ_{i=1}^{K−1} a^i = m.
+- "head": the length head's per-position acceptance output (`LengthHead.accept_probs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from adaflash_jax.decode.goodput import skip
+from adaflash_jax.decode.goodput.calibration import accepted_by_width, calibrated, update
+from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
+from adaflash_jax.decode.verify_cost import VerifyCostTable
+
+ESTIMATORS = ("confidence", "length_head", "head")
+PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
+
+
+# ---- acceptance estimators -----------------------------------------------------------------
+def confidence_accept_probs(logits_BxKm1xV: jax.Array) -> jax.Array:
+    return jnp.max(jax.nn.softmax(logits_BxKm1xV.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def geometric_rate(mean_accepted_B: jax.Array, num_drafts: int, iters: int = 40) -> jax.Array:
+    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts), by bisection
+    (the sum is increasing in a)."""
+    powers_N = jnp.arange(1, num_drafts + 1, dtype=jnp.float32)
+    target_B = jnp.clip(mean_accepted_B.astype(jnp.float32), 0.0, float(num_drafts))
+
+    def body(_, lo_hi):
+        lo_B, hi_B = lo_hi
+        mid_B = 0.5 * (lo_B + hi_B)
+        too_big_B = jnp.sum(mid_B[:, None] ** powers_N[None, :], axis=-1) > target_B
+        return jnp.where(too_big_B, lo_B, mid_B), jnp.where(too_big_B, mid_B, hi_B)
+
+    lo_B, hi_B = jax.lax.fori_loop(
+        0, iters, body, (jnp.zeros_like(target_B), jnp.ones_like(target_B))
+    )
+    return 0.5 * (lo_B + hi_B)
+
+
+def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
+    a_B = geometric_rate(r_B * block_size - 1.0, block_size - 1)
+    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], block_size - 1))
+
+
+def accept_probs(draft: Draft, estimator: str) -> jax.Array:
+    if estimator == "confidence":
+        return confidence_accept_probs(draft.logits_BxKm1xV)
+    if estimator == "length_head":
+        return length_head_accept_probs(draft.length_r_B, draft.block_size)
+    return draft.head_accept_BxKm1.astype(jnp.float32)
+
+
+def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gamma=0.0):
+    """E[committed tokens | verify width W] = 1 + Σ_{i<W} Π_{j<=i} a_j under the estimates
+    calibrated as a^γ (log_gamma a scalar or one per row) → [B, NW]."""
+    by_width_BxK = accepted_by_width(calibrated(accept_BxKm1, log_gamma))
+    return 1.0 + by_width_BxK[:, jnp.asarray(widths) - 1]
+
+
+# ---- the policy ----------------------------------------------------------------------------
+@struct.dataclass
+class GoodputState:
+    """The skip arm's state: the rows' estimates and calibration, the latest probe, and the
+    drafter-context entries deferred by undrafted steps (`skip.py`)."""
+
+    est_BxKm1: jax.Array  # float32 raw acceptance estimate of the row's latest draft
+    prior_Km1: jax.Array  # float32 EMA of rows' estimates (negative: no forward yet)
+    log_gamma_B: jax.Array  # float32 log calibration exponent γ per row (calibration.py)
+    log_gamma: jax.Array  # float32 the same over all rows: a fresh request's start
+    probe_drafts_BxKm1: jax.Array  # int32 greedy drafts of the row's latest probe
+    probe_at_B: jax.Array  # int32 the row's output length at that probe
+    probe_live_B: jax.Array  # bool: that probe is of the row's current request, ungraded
+    undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
+    probe_due_at: jax.Array  # int32 scalar: `undrafted` count at which a probe is due
+    pending_BxUxnD: jax.Array  # undrafted steps' target features not yet in the context
+    pending_B: jax.Array  # int32 positions held per row
+
+    def fresh_request_estimate(self) -> jax.Array:
+        """A request's estimate before its first drafter forward [K−1]: the prior, 1
+        (drafting pays) before any forward."""
+        return jnp.where(self.prior_Km1 < 0, 1.0, self.prior_Km1)
+
+    def refreshed(self, a_BxKm1: jax.Array, active_B: jax.Array) -> GoodputState:
+        """The state after a drafter forward estimated `a_BxKm1`: the active rows' estimates,
+        and the prior, an EMA of their mean set to that mean by the first forward (starting
+        fresh requests at 1 would force a draft on admission even where drafting never pays)."""
+        n = jnp.sum(active_B)
+        mean_Km1 = jnp.sum(jnp.where(active_B[:, None], a_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
+        ema_Km1 = (1.0 - PRIOR_RATE) * self.prior_Km1 + PRIOR_RATE * mean_Km1
+        ema_Km1 = jnp.where(self.prior_Km1 < 0, mean_Km1, ema_Km1)  # the first forward
+        return self.replace(
+            est_BxKm1=jnp.where(active_B[:, None], a_BxKm1, self.est_BxKm1),
+            prior_Km1=jnp.where(n > 0, ema_Km1, self.prior_Km1),
+            undrafted=jnp.zeros_like(self.undrafted),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GoodputPolicy:
+    """One batch width per step maximising expected committed tokens per millisecond; with
+    `skip_draft`, also a plain (undrafted) step when drafting is not expected to pay."""
+
+    cost: VerifyCostTable
+    estimator: str = "confidence"
+    skip_draft: bool = True
+    # Undrafted steps between probes. None: as many as keep a probe's cost (the table's probe
+    # time, else its draft time) within `probe_overhead` of the plain steps' time, capped at
+    # `max_probe_every`.
+    probe_every: int | None = None
+    probe_overhead: float = 0.05
+    max_probe_every: int = 64
+    # drafted steps one switch from the undrafted program is spread over (1: the first step
+    # alone must pay for it)
+    switch_horizon: float = 4.0
+    # U: undrafted steps whose target features wait for one batched drafter-context pass
+    pending_steps: int = 32
+    name = "goodput"
+
+    def __post_init__(self):
+        if self.estimator not in ESTIMATORS:
+            raise PolicyError(f"unknown estimator {self.estimator!r}; choose from {ESTIMATORS}")
+        if self.probe_every is not None and self.probe_every < 1:
+            raise PolicyError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not self.switch_horizon >= 1:
+            raise PolicyError(f"switch_horizon must be >= 1, got {self.switch_horizon}")
+        if not self.probe_overhead > 0 or self.max_probe_every < 1:
+            raise PolicyError(
+                f"need probe_overhead > 0 and max_probe_every >= 1: {self.probe_overhead}, "
+                f"{self.max_probe_every}"
+            )
+        if self.pending_steps < 1:
+            raise PolicyError(f"pending_steps must be >= 1, got {self.pending_steps}")
+
+    @property
+    def needs_length_head(self) -> bool:
+        return self.estimator == "length_head"
+
+    @property
+    def needs_accept_head(self) -> bool:
+        return self.estimator == "head"
+
+    @property
+    def programs(self):
+        return (skip.undrafted_loop, skip.drafted_loop) if self.skip_draft else ()
+
+    def validate(self, *, buckets, has_length_head):
+        missing = [w for w in buckets if w not in self.cost.widths]
+        if missing:
+            raise PolicyError(
+                f"verify-cost table has widths {self.cost.widths}, missing buckets {missing}"
+            )
+        if (self.needs_length_head or self.needs_accept_head) and not has_length_head:
+            raise PolicyError(f"goodput with estimator {self.estimator!r} needs a length head")
+        if self.skip_draft and 1 not in buckets:
+            raise PolicyError(
+                f"goodput's undrafted (plain) step verifies width 1, which is not among the "
+                f"buckets {buckets}; add 1 or pass skip_draft=False"
+            )
+
+    def init(self, slots: Slots, previous: GoodputState | None = None):
+        """Nothing without the skip arm. With it, a new state starts from what an earlier
+        call learnt (`previous`: its prior and engine-wide γ, unless it learnt nothing or
+        something non-finite); then its first probe waits for the interval instead of
+        coming at once."""
+        if not self.skip_draft:
+            return ()
+        b, km1 = slots.count, slots.block_size - 1
+        prior, log_gamma, learnt = np.full((km1,), -1.0, np.float32), np.float32(0.0), False
+        if previous is not None:
+            p, lg = jax.device_get((previous.prior_Km1, previous.log_gamma))
+            if p.size != km1:
+                raise ValueError(f"previous state has {p.size} positions, not K - 1 = {km1}")
+            learnt = bool(p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg))
+            prior, log_gamma = (p, lg) if learnt else (prior, log_gamma)
+        zeros_B = jnp.zeros((b,), jnp.int32)
+        return GoodputState(
+            est_BxKm1=jnp.ones((b, km1), jnp.float32),
+            prior_Km1=jnp.asarray(prior, jnp.float32),
+            log_gamma_B=jnp.zeros((b,), jnp.float32),
+            log_gamma=jnp.asarray(log_gamma, jnp.float32),
+            probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
+            probe_at_B=zeros_B,
+            probe_live_B=jnp.zeros((b,), bool),
+            undrafted=jnp.zeros((), jnp.int32),
+            # 0: the first undrafted loop probes at once; 1: its entry sets the interval
+            probe_due_at=jnp.asarray(int(learnt), jnp.int32),
+            pending_BxUxnD=jnp.zeros(
+                (b, self.pending_steps, slots.feature_dim), slots.feature_dtype
+            ),
+            pending_B=jnp.zeros((b,), jnp.int32),
+        )
+
+    def widths(self, draft: Draft, state):
+        a_BxKm1 = accept_probs(draft, self.estimator)
+        log_gamma = state.log_gamma_B if self.skip_draft else 0.0
+        gain_BxNW = expected_committed(a_BxKm1, draft.buckets, log_gamma)
+        total_NW = jnp.sum(jnp.where(draft.active_B[:, None], gain_BxNW, 0.0), axis=0)
+        best = jnp.argmax(total_NW / self.cost.step_ms(draft.num_running, draft.buckets))
+        width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
+        return width_B, state.refreshed(a_BxKm1, draft.active_B) if self.skip_draft else state
+
+    def observe(self, outcome: Outcome, state):
+        """Admitted rows start from the engine-wide estimate and γ (their deferred context
+        and probe are of the old request); verified rows' realised acceptance calibrates
+        their estimates."""
+        if not self.skip_draft:
+            return state
+        if outcome.started_B is not None:
+            new_B = outcome.started_B
+            fresh_Km1 = state.fresh_request_estimate()
+            state = state.replace(
+                est_BxKm1=jnp.where(new_B[:, None], fresh_Km1, state.est_BxKm1),
+                log_gamma_B=jnp.where(new_B, state.log_gamma, state.log_gamma_B),
+                probe_live_B=state.probe_live_B & ~new_B,
+                pending_B=jnp.where(new_B, 0, state.pending_B),
+            )
+        if outcome.verified_B is not None:
+            rows_B, engine = update(
+                state.log_gamma_B,
+                state.log_gamma,
+                state.est_BxKm1,
+                outcome.width_B,
+                outcome.accepted_B,
+                outcome.verified_B,
+            )
+            state = state.replace(log_gamma_B=rows_B, log_gamma=engine)
+        return state
+
+    # ---- the skip arm's decisions (skip.py asks them between steps) ----------------------
+    def _rates(self, state, active_B, buckets, switching: bool):
+        """(best drafted, plain) expected committed tokens per ms over the active rows."""
+        num_running = jnp.sum(active_B.astype(jnp.int32))
+        gain_BxNW = expected_committed(state.est_BxKm1, buckets, state.log_gamma_B)
+        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
+        if switching:
+            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms / self.switch_horizon
+        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
+        return jnp.max(total_NW / drafted_ms_NW), plain_rate
+
+    def speculate(self, state, active_B, *, buckets, switching: bool):
+        """Whether the next step drafts (bool scalar): the best expected committed tokens per
+        ms of draft + verify, from the rows' latest estimates, beats a plain width-1 step.
+        `switching`: asked from the undrafted program, where drafting first costs a host
+        switch of programs (the table's `switch_ms`); the step is charged its share over
+        `switch_horizon` drafted steps, so marginal gains do not flip programs back and
+        forth (charging one step the whole switch kept goodput from ever drafting)."""
+        drafted_rate, plain_rate = self._rates(state, active_B, buckets, switching)
+        return drafted_rate > plain_rate
+
+    def drafting_gain(self, state, active_B, *, buckets):
+        """Best drafted rate / plain rate as seen from the undrafted program (the switch
+        included): > 1 where it would start drafting (float32 scalar; 0 with no active row)."""
+        drafted, plain = self._rates(state, active_B, buckets, True)
+        return jnp.where(plain > 0, drafted / jnp.maximum(plain, 1e-9), 0.0)
+
+    def probe_interval(self, state, active_B, *, buckets) -> jax.Array:
+        """Undrafted steps before the next probe (int32 scalar)."""
+        if self.probe_every is not None:
+            return jnp.asarray(self.probe_every, jnp.int32)
+        gain = self.drafting_gain(state, active_B, buckets=buckets)
+        return self.interval_at_gain(gain, jnp.sum(active_B.astype(jnp.int32)))
+
+    def interval_at_gain(self, gain, num_running) -> jax.Array:
+        """A probe is one drafter forward without a verify: its cost is the table's probe
+        time, else its draft time. The base interval keeps probes within `probe_overhead` of
+        the plain steps' time; it is scaled by 2·(1 − gain), clipped to [1/8, 2]: a row set
+        where drafting nearly pays is probed up to 8x as often (each graded probe also
+        calibrates the estimates), one far from it half as often."""
+        plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
+        probe_ms = self.cost.probe_step_ms(num_running)
+        urgency = jnp.clip(2.0 * (1.0 - gain), 1.0 / 8.0, 2.0)
+        steps = jnp.ceil(urgency * probe_ms / (self.probe_overhead * plain_ms))
+        return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)

@@ -1,0 +1,147 @@
+"""Length policies: how many drafted tokens each row verifies (DESIGN §4.3, §5).
+
+Dimensions: B slots, K block size, V vocab, nD target features per committed token.
+
+A policy is a pure-function triple in the manner of optax's transformations, declared by
+`LengthPolicy`: `init` makes its state (a pytree the engine carries as one opaque
+`SpecState.policy_state`, as a train state carries `opt_state`), `widths` turns a drafter
+forward (`Draft`: its hidden states and distributions, never the sampled drafts, so sampled
+decoding stays lossless) into a requested width w_b in [1, K] per row (the bonus + w − 1
+drafts; the engine runs the batch at the smallest bucket >= the largest active request),
+and `observe` learns from what the engine did (`Outcome`). Policies are frozen dataclasses:
+hashable, so they travel in the engine's static spec into `jax.jit`.
+
+A policy may also bring its own loop programs (`programs`): none for `fixed` and `adaflash`,
+which run the engine's drafted loop (`step.decode_loop`); goodput's skip arm brings a drafted
+loop and one of undrafted steps (`goodput/skip.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from adaflash_jax.drafter.length_head import verify_length
+
+PolicyState = Any  # a pytree: () for a policy without state
+
+
+class PolicyError(ValueError):
+    """A policy that cannot run with this drafter, bucket set or cost table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """The engine's slots as a policy sizes its state by them."""
+
+    count: int  # B
+    block_size: int  # K
+    feature_dim: int  # nD: target features one committed token adds to the drafter context
+    feature_dtype: Any
+
+
+@struct.dataclass
+class Draft:
+    """One drafter forward after each row's bonus token, as a policy sees it."""
+
+    hidden_BxKxD: jax.Array  # drafter final-normed block states (stop-gradient)
+    logits_BxKm1xV: jax.Array  # float32 drafter logits for positions 1..K−1
+    length_r_B: jax.Array | None  # length head r in (0, 1), when the policy reads it
+    head_accept_BxKm1: jax.Array | None  # per-position acceptance from the head, if read
+    active_B: jax.Array  # bool: the slot holds an unfinished request
+    num_running: jax.Array  # int32 scalar: active slots
+    # the engine's verify widths (static)
+    buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+    @property
+    def block_size(self) -> int:
+        return self.hidden_BxKxD.shape[1]
+
+
+@struct.dataclass
+class Outcome:
+    """What the engine did with the rows since the policy's last decision: some took new
+    requests (a prefill: their earlier state is stale), or their drafts were verified. The
+    fields of the other kind are None."""
+
+    started_B: jax.Array | None = None  # bool: took a new request
+    verified_B: jax.Array | None = None  # bool: its draft was verified
+    width_B: jax.Array | None = None  # int32: at the width it asked for, within [1, K]
+    accepted_B: jax.Array | None = None  # int32: drafts accepted
+
+
+# (target, drafter, state, spec, stop_on_finish, max_steps) → (state, steps, finished, next)
+Program = Callable[..., tuple]
+
+
+class LengthPolicy(Protocol):
+    """What the engine calls on a length policy."""
+
+    name: str
+    needs_length_head: bool  # `widths` reads Draft.length_r_B
+    needs_accept_head: bool  # `widths` reads Draft.head_accept_BxKm1
+    # loop programs the engine switches between (the first runs first); (): its drafted loop
+    programs: tuple[Program, ...]
+
+    def validate(self, *, buckets: tuple[int, ...], has_length_head: bool) -> None:
+        """Raises PolicyError for an engine it cannot serve."""
+
+    def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
+        """A fresh state; `previous` is the state an earlier `generate` call ended with (a
+        policy that learns across calls may start from it)."""
+
+    def widths(self, draft: Draft, state: PolicyState) -> tuple[jax.Array, PolicyState]:
+        """Requested widths [B] int32 in [1, K] (inactive rows: anything)."""
+
+    def observe(self, outcome: Outcome, state: PolicyState) -> PolicyState: ...
+
+
+class Stateless:
+    """`init` and `observe` of a policy that keeps nothing; the engine's drafted loop."""
+
+    needs_accept_head = False
+    programs = ()
+
+    def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
+        return ()
+
+    def observe(self, outcome: Outcome, state: PolicyState) -> PolicyState:
+        return state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixedPolicy(Stateless):
+    """Always the whole block (DFlash)."""
+
+    name = "fixed"
+    needs_length_head = False
+
+    def validate(self, *, buckets, has_length_head):
+        pass
+
+    def widths(self, draft: Draft, state):
+        return jnp.full(draft.active_B.shape, draft.block_size, jnp.int32), state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaFlashPolicy(Stateless):
+    """Reference rule clamp(round(r·K·rate), 1, K), on only above `threshold` running rows."""
+
+    rate: float = 1.3
+    threshold: int = 48
+    name = "adaflash"
+    needs_length_head = True
+
+    def validate(self, *, buckets, has_length_head):
+        if not has_length_head:
+            raise PolicyError("the adaflash policy needs a drafter with a length head")
+
+    def widths(self, draft: Draft, state):
+        k = draft.block_size
+        head_B = verify_length(draft.length_r_B, k, self.rate)
+        return jnp.where(draft.num_running > self.threshold, head_B, k).astype(jnp.int32), state

@@ -1,0 +1,131 @@
+"""The speculative engine's state and static spec (DESIGN §5, §8).
+
+Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
+eos ids, K block size, W verify width (a bucket).
+
+Invariants of a live slot b (one request): `bonus_B[b]` is the last committed token; neither
+its target K/V nor its target features exist yet, so `target_cache.lengths[b]` is its
+position (and so is `context_cache.lengths[b]`, unless a policy defers context entries: see
+goodput's skip arm). Finished and free slots ride along masked: nothing they compute is
+committed. The plain path (`drafter is None`) uses the same state with width 1 and no
+drafter context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from adaflash_jax.decode import acceptance
+from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, Slots
+from adaflash_jax.model.kv_cache import KVCache
+
+
+@struct.dataclass
+class SpecState:
+    target_cache: KVCache
+    context_cache: KVCache | None  # drafter context (None on the plain path)
+    bonus_B: jax.Array  # int32 last committed token
+    out_BxS: jax.Array  # int32 generated tokens, -1 past num_out
+    num_out_B: jax.Array  # int32
+    max_new_B: jax.Array  # int32
+    done_B: jax.Array  # bool: finished or free
+    started_B: jax.Array  # bool: prefilled since the policy last observed the row
+    eos_E: jax.Array  # int32 eos ids (-1 pads, never matches)
+    steps_B: jax.Array  # int32 verify steps of the slot's current request
+    accepted_BxS: jax.Array  # int32 accepted drafts per step, -1 past steps
+    width_BxS: jax.Array  # int32 batch verify width (bucket) per step
+    request_BxS: jax.Array  # int32 the row's requested width per step (0: undrafted)
+    probes: jax.Array  # int32 scalar: drafter forwards that verified nothing (a policy's)
+    policy_state: Any  # the length policy's own pytree (`LengthPolicy.init`)
+    temperature: jax.Array  # float32 scalar
+    top_p: jax.Array  # float32 scalar
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """Everything static about a compiled engine (hashable: a jit static argument)."""
+
+    block_size: int  # K (1 on the plain path)
+    buckets: tuple[int, ...]  # ascending verify widths within [1, K]
+    greedy: bool
+    nucleus: bool  # top_p < 1: sample through the sorted nucleus filter
+    feature_layers: tuple[int, ...]
+    policy: LengthPolicy = FixedPolicy()
+    acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
+
+    def __post_init__(self):
+        # A serving engine's buckets end at K (`bucket_set`); a spec whose largest bucket W
+        # is below K verifies at most W tokens a step (a program pinned to one width).
+        b = list(self.buckets)
+        if not b or b != sorted(set(b)) or b[0] < 1 or b[-1] > self.block_size:
+            raise ValueError(f"buckets {self.buckets} must ascend within [1, K={self.block_size}]")
+
+    @property
+    def prefill_spec(self) -> EngineSpec:
+        """Only what the prefill depends on, so engines that differ in policy, buckets or
+        acceptance share prefill programs."""
+        k = self.block_size
+        return dataclasses.replace(self, buckets=(k,), policy=FixedPolicy(), acceptance=None)
+
+    def top_p(self, s: SpecState):
+        return s.top_p if self.nucleus else None
+
+    @property
+    def accept_fn(self) -> Callable:
+        if self.acceptance is not None:
+            return self.acceptance
+        return acceptance.greedy_accept if self.greedy else acceptance.rejection_accept
+
+
+def bucket_set(buckets, block_size: int) -> tuple[int, ...]:
+    """The requested buckets clipped below K, with K itself always present."""
+    return tuple(sorted({int(b) for b in buckets if 1 <= int(b) < block_size} | {block_size}))
+
+
+def init_state(
+    target, drafter, policy_state, *, slots, capacity, eos_ids, temperature, top_p, seed
+) -> SpecState:
+    """All slots free (done). Buffers are `capacity` long: a request never outgrows it."""
+
+    def blank_BxS():  # one buffer per field: the state is donated, and a buffer may not be
+        return jnp.full((slots, capacity), -1, jnp.int32)  # donated twice in one call
+
+    return SpecState(
+        target_cache=target.init_cache(slots, capacity),
+        context_cache=None if drafter is None else drafter.init_context_cache(slots, capacity),
+        bonus_B=jnp.zeros((slots,), jnp.int32),
+        out_BxS=blank_BxS(),
+        num_out_B=jnp.zeros((slots,), jnp.int32),
+        max_new_B=jnp.zeros((slots,), jnp.int32),
+        done_B=jnp.ones((slots,), bool),
+        started_B=jnp.zeros((slots,), bool),
+        eos_E=jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32),
+        steps_B=jnp.zeros((slots,), jnp.int32),
+        accepted_BxS=blank_BxS(),
+        width_BxS=blank_BxS(),
+        request_BxS=blank_BxS(),
+        probes=jnp.zeros((), jnp.int32),
+        policy_state=policy_state,
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        rng=jax.random.key(seed),
+    )
+
+
+def policy_slots(target, drafter, slots: int) -> Slots:
+    """What a policy sizes its state by, for this engine's models."""
+    k = 1 if drafter is None else drafter.config.block_size
+    nd = 0 if drafter is None else len(drafter.config.target_layer_ids)
+    return Slots(
+        count=slots,
+        block_size=k,
+        feature_dim=nd * target.config.hidden_size,
+        feature_dtype=target.dtype,
+    )

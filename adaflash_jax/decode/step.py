@@ -1,0 +1,138 @@
+"""One engine step for all slots, and the engine's drafted loop program (DESIGN §5).
+
+Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
+
+A drafted step: the drafter proposes K−1 tokens after each row's bonus (`drafting.draft`),
+the policy asks for widths, the target verifies at the bucket (`verify.verify`), row b
+accepts n_b drafts and commits n_b + 1 tokens (drafts + a new bonus); both caches take the
+new entries and move their lengths by n_b + 1 in one place (`KVCache.write`), which is the
+rollback of the rejected rest. A plain step (no drafter, or a policy's undrafted step) runs
+the target over each row's bonus in "write" cache mode and picks the next token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from adaflash_jax.decode.drafting import draft, sample_drafts
+from adaflash_jax.decode.policy import Outcome
+from adaflash_jax.decode.state import EngineSpec, SpecState
+from adaflash_jax.decode.tokens import append_tokens, pick_tokens
+from adaflash_jax.decode.verify import verify
+
+
+def commit_tokens(s: SpecState, tokens_BxT, n_B, active_B) -> SpecState:
+    out_BxS, num_out_B, done_B = append_tokens(
+        s.out_BxS, s.num_out_B, s.done_B, tokens_BxT, n_B, active_B, s.max_new_B, s.eos_E
+    )
+    return s.replace(out_BxS=out_BxS, num_out_B=num_out_B, done_B=done_B)
+
+
+def record(s: SpecState, active_B, accepted_B, width, request_B) -> SpecState:
+    """Appends one step's statistics to each active row's buffers."""
+    b, c = s.accepted_BxS.shape
+    rows_B, at_B = jnp.arange(b), jnp.where(active_B, s.steps_B, c)
+    return s.replace(
+        accepted_BxS=s.accepted_BxS.at[rows_B, at_B].set(accepted_B, mode="drop"),
+        width_BxS=s.width_BxS.at[rows_B, at_B].set(jnp.broadcast_to(width, (b,)), mode="drop"),
+        request_BxS=s.request_BxS.at[rows_B, at_B].set(request_B, mode="drop"),
+        steps_B=s.steps_B + active_B.astype(jnp.int32),
+    )
+
+
+def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
+    """Draft → widths → verify → accept → commit for all slots."""
+    active_B = ~s.done_B
+    rng, key_draft, key_accept = jax.random.split(s.rng, 3)
+    d = draft(target, drafter, s, spec)
+    width_B, policy_state = spec.policy.widths(d, s.policy_state)
+    width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
+    drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
+    tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
+    accepted_B, bonus_B, target_kv, context_kv, bucket = verify(
+        target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key_accept
+    )
+    accepted_B = jnp.where(active_B, accepted_B, 0)
+    j_K = jnp.arange(spec.block_size, dtype=jnp.int32)[None, :]
+    drafts_BxK = jnp.concatenate([drafts_BxKm1, jnp.zeros_like(drafts_BxKm1[:, :1])], axis=1)
+    committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
+    advance_B = jnp.where(active_B, accepted_B + 1, 0)
+    s = commit_tokens(s, committed_BxK, accepted_B + 1, active_B)
+    s = record(s, active_B, accepted_B, bucket, width_B)
+    outcome = Outcome(verified_B=active_B, width_B=width_B, accepted_B=accepted_B)
+    return s.replace(
+        target_cache=s.target_cache.write(*target_kv, advance=advance_B),
+        context_cache=s.context_cache.write(*context_kv, advance=advance_B),
+        bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
+        policy_state=spec.policy.observe(outcome, policy_state),
+        rng=rng,
+    )
+
+
+def plain_step(target, s: SpecState, spec: EngineSpec, *, requested: int):
+    """One target token per active row, the target cache written in place; recorded as a
+    step of width 1 and requested width `requested`. Returns (state, the committed token's
+    target features [B, 1, nD], None without feature layers)."""
+    active_B = ~s.done_B
+    rng, _, key = jax.random.split(s.rng, 3)
+    advance_B = active_B.astype(jnp.int32)
+    out = target(
+        s.bonus_B[:, None],
+        cache=s.target_cache,
+        num_new_B=advance_B,
+        feature_layers=spec.feature_layers,
+    )
+    logits_BxV = out.logits_BxTxV[:, 0].astype(jnp.float32)
+    tok_B = pick_tokens(key, logits_BxV, s.temperature, spec.top_p(s), greedy=spec.greedy)
+    s = commit_tokens(s, tok_B[:, None], jnp.ones_like(advance_B), active_B)
+    s = record(s, active_B, jnp.zeros_like(advance_B), 1, jnp.full_like(advance_B, requested))
+    s = s.replace(target_cache=out.cache, bonus_B=jnp.where(active_B, tok_B, s.bonus_B), rng=rng)
+    return s, out.features_BxTxnD
+
+
+# ---- loop programs ---------------------------------------------------------------------------
+def admit(s: SpecState, spec: EngineSpec) -> SpecState:
+    """Tells the policy which rows took new requests since it last looked (a loop's entry)."""
+    policy_state = spec.policy.observe(Outcome(started_B=s.started_B), s.policy_state)
+    return s.replace(policy_state=policy_state, started_B=jnp.zeros_like(s.started_B))
+
+
+def may_continue(carry, stop_on_finish, max_steps):
+    """A loop carry (state, steps run, rows finished) may take another step: a row is
+    active, `max_steps` did not run yet, and no row finished if `stop_on_finish`."""
+    s, it, finished = carry
+    return jnp.any(~s.done_B) & (it < max_steps) & ~(stop_on_finish & (finished > 0))
+
+
+def counting(step):
+    """`step` (state → state) as a loop body over (state, steps run, rows finished)."""
+
+    def body(carry):
+        s, it, finished = carry
+        before_B = ~s.done_B
+        s = step(s)
+        return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
+
+    return body
+
+
+def decode_loop(target, drafter, s, spec, stop_on_finish, max_steps):
+    """The engine's loop program: drafted steps (plain ones without a drafter) until no slot
+    is active, `max_steps` ran, or (if `stop_on_finish`) a slot finished. Returns (state,
+    steps run, slots finished, next program: 0, this one)."""
+    if drafter is None:
+
+        def step(s):
+            return plain_step(target, s, spec, requested=1)[0]
+
+    else:
+
+        def step(s):
+            return drafted_step(target, drafter, s, spec)
+
+    carry = (admit(s, spec), jnp.int32(0), jnp.int32(0))
+    s, steps, finished = jax.lax.while_loop(
+        lambda c: may_continue(c, stop_on_finish, max_steps), counting(step), carry
+    )
+    return s, steps, finished, jnp.int32(0)

@@ -1,0 +1,114 @@
+"""Test doubles of the engine's pluggable parts, each implementing its protocol: a drafter
+(`EngineDrafter`), length policies (`LengthPolicy`; one drives goodput's skip arm on a fixed
+schedule) and a deliberately biased acceptance rule."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from adaflash_jax.decode.acceptance import target_probs
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.drafter.model import DraftOutput
+from adaflash_jax.model.kv_cache import KVCache
+
+
+class TableDrafter(nnx.Module):
+    """Drafts by iterating a next-token table from the bonus token (content-based, so it
+    works in any slot), with one-hot logits of `sharpness`: 20 → confidence ~1. No context:
+    a one-entry cache whose lengths still move as the engine commits."""
+
+    def __init__(self, config, next_V, sharpness: float = 20.0):
+        self.config = config
+        self.table = nnx.Param(jnp.asarray(next_V, jnp.int32))
+        self.length_head = None
+        self.sharpness = sharpness
+
+    def init_context_cache(self, batch, capacity, dtype=None):
+        return KVCache.create(
+            num_layers=1, batch=batch, capacity=1, kv_heads=1, head_dim=2, dtype=jnp.float32
+        )
+
+    def context_entries(self, cache, features_BxTxnD):
+        b, t, _ = features_BxTxnD.shape
+        return (jnp.zeros((b, t, 1, 2)),), (jnp.zeros((b, t, 1, 2)),)
+
+    def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
+        table, tok, drafts = self.table[...], bonus_B, []
+        for _ in range(self.config.block_size - 1):
+            tok = table[tok]
+            drafts.append(tok)
+        v = embedding_VxD.shape[0]
+        logits = self.sharpness * jax.nn.one_hot(jnp.stack(drafts, axis=1), v)
+        hidden = jnp.zeros((bonus_B.shape[0], self.config.block_size, self.config.hidden_size))
+        return DraftOutput(hidden_BxKxD=hidden, logits_BxKm1xV=logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class WobblePolicy:
+    """A width that varies with the drafter's first logits (never the tokens sampled), to
+    exercise every bucket."""
+
+    name = "wobble"
+    needs_length_head = False
+    needs_accept_head = False
+    programs = ()
+
+    def validate(self, **_):
+        pass
+
+    def init(self, slots, previous=None):
+        return ()
+
+    def widths(self, draft, state):
+        top_B = jnp.argmax(draft.logits_BxKm1xV[:, 0], axis=-1)
+        return (1 + top_B % draft.block_size).astype(jnp.int32), state
+
+    def observe(self, outcome, state):
+        return state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftEveryNth:
+    """`goodput`'s widths, estimates and skip arm, but drafting once `n` undrafted steps ran,
+    and no probes. The undrafted program asks only between runs of steps (a flush, a probe
+    or a finished row), so with `goodput.pending_steps=n` it drafts after every `n`."""
+
+    goodput: GoodputPolicy
+    n: int = 2
+    name = "draft-every-nth"
+    needs_length_head = False
+    needs_accept_head = False
+
+    @property
+    def programs(self):
+        return self.goodput.programs
+
+    def validate(self, **kw):
+        self.goodput.validate(**kw)
+
+    def init(self, slots, previous=None):
+        return self.goodput.init(slots, previous)
+
+    def widths(self, draft, state):
+        return self.goodput.widths(draft, state)
+
+    def observe(self, outcome, state):
+        return self.goodput.observe(outcome, state)
+
+    def speculate(self, state, active_B, *, buckets, switching):
+        return state.undrafted >= self.n
+
+    def probe_interval(self, state, active_B, *, buckets):
+        return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)
+
+
+def always_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
+    """DELIBERATELY BIASED: takes every draft, bonus sampled from p. Its output follows the
+    drafter, not the target; the lossless tests must reject it."""
+    b, k, _ = logits_BxKxV.shape
+    accepted_B = jnp.maximum(width_B - 1, 0).astype(jnp.int32)
+    p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
+    p_at_BxV = p_BxKxV[jnp.arange(b), accepted_B]
+    return accepted_B, jax.random.categorical(key, jnp.log(p_at_BxV), axis=-1).astype(jnp.int32)
