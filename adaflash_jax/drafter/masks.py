@@ -5,11 +5,30 @@ Dimensions: B batch, C context slots (committed tokens with target features), N 
 
 Keys are laid out as [context ; block tokens]. A block query sees every context token
 strictly before its anchor, and all K tokens of its own block (bidirectional), nothing else.
+Serving uses the dense mask; training may use it too (`Drafter.train_hidden(attention=
+"dense")`), though `train_attention.BlockSparse` computes the same attention without it.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from flax import struct
+
+from adaflash_jax.model.layers import attend
+
+
+@struct.dataclass
+class DenseMask:
+    """A drafter layer's attention over [context ; block] keys under one bool mask
+    [B, T, C + T] (`decode_mask` or `train_mask`)."""
+
+    mask_BxTx_CT: jax.Array
+
+    def __call__(self, q_BxTxHxDh, ctx_k, ctx_v, blk_k, blk_v):
+        k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=1)
+        v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=1)
+        return attend(q_BxTxHxDh, k, v, self.mask_BxTx_CT)
 
 
 def decode_mask(context_len_B, context_capacity: int, block_size: int):

@@ -18,8 +18,9 @@ from flax import nnx, struct
 from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
+from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
 from adaflash_jax.model.kv_cache import KVCache, write_rows
-from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU, attend
+from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
 
 
 @struct.dataclass
@@ -46,12 +47,12 @@ class DrafterAttention(AttentionProjections):
             param_dtype=param_dtype,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, ctx_k, ctx_v, mask_BxTx_CT):
+    def __call__(self, x_BxTxD, positions_BxT, ctx_k, ctx_v, attention):
+        """`attention(q, ctx_k, ctx_v, blk_k, blk_v)`: `masks.DenseMask` or
+        `train_attention.BlockSparse`."""
         q = self.queries(x_BxTxD, positions_BxT)
         blk_k, blk_v = self.keys_values(x_BxTxD, positions_BxT)
-        k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=1)
-        v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=1)
-        return self.output(attend(q, k, v, mask_BxTx_CT))
+        return self.output(attention(q, ctx_k, ctx_v, blk_k, blk_v))
 
 
 class DrafterLayer(nnx.Module):
@@ -64,8 +65,8 @@ class DrafterLayer(nnx.Module):
             cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
 
-    def __call__(self, x, positions, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def __call__(self, x, positions, ctx_k, ctx_v, attention):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,7 +159,7 @@ class Drafter(nnx.Module):
             [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
         )
         positions_BxK = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-        mask = masks.decode_mask(cache.lengths, cache.capacity, k)
+        mask = masks.DenseMask(masks.decode_mask(cache.lengths, cache.capacity, k))
         x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions_BxK, cache.k[i], cache.v[i], mask)
@@ -167,15 +168,36 @@ class Drafter(nnx.Module):
         return DraftOutput(hidden_BxKxD=hidden_BxKxD, logits_BxKm1xV=logits)
 
     # ---- training: N blocks per sequence in one forward ------------------------------------
-    def train_hidden(self, features_BxSxnD, tokens_BxS, anchors_BxN, valid_BxN, embedding_VxD):
+    def train_hidden(
+        self,
+        features_BxSxnD,
+        tokens_BxS,
+        anchors_BxN,
+        valid_BxN,
+        embedding_VxD,
+        *,
+        attention: str = "sparse",
+        attention_chunk: int = DEFAULT_CHUNK,
+    ):
         """Final-normed block states [B, N, K, D] for blocks anchored at `anchors_BxN`.
 
         Block n starts with the token at its anchor and sees target features strictly before
-        the anchor; blocks never see each other (DESIGN §3).
+        the anchor; blocks never see each other (DESIGN §3). `attention`: "sparse" computes
+        block→context in chunks of `attention_chunk` context keys plus block→own block
+        (`train_attention`); "dense" scores all N·K × (S + N·K) pairs under
+        `masks.train_mask` (same result, memory grows with N·K·S).
         """
         cfg = self.config
         b, s, _ = features_BxSxnD.shape
         n, k = anchors_BxN.shape[1], cfg.block_size
+        if attention_chunk < 1:
+            raise ValueError(f"attention chunk must be positive, got {attention_chunk}")
+        if attention == "sparse":  # a padding block sees no context, only itself
+            pattern = BlockSparse(jnp.where(valid_BxN, anchors_BxN, 0), chunk=attention_chunk)
+        elif attention == "dense":
+            pattern = masks.DenseMask(masks.train_mask(anchors_BxN, valid_BxN, s, k))
+        else:
+            raise ValueError(f"train attention must be 'sparse' or 'dense', got {attention!r}")
         ctx_BxSxD = self.fuse(features_BxSxnD)
         ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         first_BxN = jnp.take_along_axis(tokens_BxS, anchors_BxN, axis=1)
@@ -184,11 +206,10 @@ class Drafter(nnx.Module):
             axis=-1,
         )
         positions_BxNK = (anchors_BxN[..., None] + jnp.arange(k, dtype=jnp.int32)).reshape(b, n * k)
-        mask = masks.train_mask(anchors_BxN, valid_BxN, s, k)
         x = jnp.take(embedding_VxD, block_BxNxK.reshape(b, n * k), axis=0).astype(self.dtype)
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.keys_values(ctx_BxSxD, ctx_pos_BxS)
-            x = layer(x, positions_BxNK, ctx_k, ctx_v, mask)
+            x = layer(x, positions_BxNK, ctx_k, ctx_v, pattern)
         return self.norm(x).reshape(b, n, k, -1)
 
     def logits(self, hidden, lm_head_DxV):
