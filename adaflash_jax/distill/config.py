@@ -249,6 +249,11 @@ class RunConfig:
     # Blocks per chunk of the loss's full-vocabulary logits (0: all blocks at once); a chunk's
     # logits are rematerialised in the backward pass (losses.position_stats).
     loss_chunk: int = 0
+    # Drafter training attention: "sparse" (block→context in chunks of `attention_chunk`
+    # context keys + block→own block; memory ~ N·K·chunk) or "dense" (the whole
+    # [N·K, S + N·K] score matrix under a mask). Same result (drafter/train_attention.py).
+    train_attention: str = "sparse"
+    attention_chunk: int = 512
     data: DataSpec = DataSpec()
     draft: DraftSpec = DraftSpec()
     stage1: Stage1Spec = Stage1Spec()
@@ -266,6 +271,11 @@ class RunConfig:
             raise ConfigError(f"mesh may have one -1 (fill) axis, got {self.mesh}")
         _positive("run", self, "batch_size", "seq_len", "num_anchors", "log_every")
         _positive("run", self, "loss_chunk", allow_zero=True)
+        _positive("run", self, "attention_chunk")
+        if self.train_attention not in ("sparse", "dense"):
+            raise ConfigError(
+                f"train_attention must be 'sparse' or 'dense', got {self.train_attention!r}"
+            )
         if self.compute_dtype not in DTYPES:
             raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
         k = self.draft.block_size

@@ -97,6 +97,8 @@ class Trainer:
             feature_layers=dc.target_layer_ids,
             divergence=divergence,
             loss_chunk=self.cfg.loss_chunk,
+            attention=self.cfg.train_attention,
+            attention_chunk=self.cfg.attention_chunk,
         )
 
     def _checkpointer(self, name: str) -> Checkpointer:
@@ -124,6 +126,7 @@ class Trainer:
         # their runtime loss knobs) reuse one jitted step: one compilation.
         key = (kind, divergence, clip, tuple(sorted((k, repr(v)) for k, v in groups.items())))
         key += (self.mesh, self.d_graph, self.t_graph, self.cfg.batch_size, self.cfg.loss_chunk)
+        key += (self.cfg.train_attention, self.cfg.attention_chunk)
         if key not in _COMPILED:
             tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
             _COMPILED[key] = (tx, schedules, None)

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from adaflash_jax.distill import losses
 from adaflash_jax.distill.anchors import block_targets
+from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK
 from adaflash_jax.sharding.rules import Rules
 from adaflash_jax.train.optimizer import OptimizerConfig, adamw, make_schedule, path_labels
 from adaflash_jax.train.state import TrainState, batch_sharding
@@ -51,6 +52,8 @@ class StepSpec:
     feature_layers: tuple[int, ...]
     divergence: str = "rkl"  # stage 2 only: rkl | fkl (the clipped KL term's direction)
     loss_chunk: int = 0  # blocks per loss chunk (0: all at once); see losses.position_stats
+    attention: str = "sparse"  # drafter training attention: "sparse" | "dense" (train_hidden)
+    attention_chunk: int = DEFAULT_CHUNK  # context keys per chunk of the sparse attention
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -170,7 +173,15 @@ def make_step(
 
         def student(params):
             drafter = nnx.merge(drafter_graphdef, params)
-            hidden = drafter.train_hidden(feats_BxSxnD, tokens, anchors, valid, emb_VxD)
+            hidden = drafter.train_hidden(
+                feats_BxSxnD,
+                tokens,
+                anchors,
+                valid,
+                emb_VxD,
+                attention=spec.attention,
+                attention_chunk=spec.attention_chunk,
+            )
             stats = losses.position_stats(
                 hidden[:, :, 1:],
                 head_DxV,
