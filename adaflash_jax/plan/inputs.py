@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from adaflash_jax.bench.shapes import shape_config
+from adaflash_jax.distill.config import load_config_file  # noqa: F401 - the one loader
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
@@ -248,20 +247,3 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         target_rules=get("target_rules", "train"),
         compute_bytes={"float32": 4, "bfloat16": 2}.get(str(get("compute_dtype", "bfloat16")), 2),
     )
-
-
-def load_config_file(path: str | os.PathLike) -> Any:
-    """The config object of a `experiments/configs/<name>.py` file: its `get_config()`,
-    else its `CONFIG` (or `config`) attribute."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file does not exist: {path}")
-    spec = importlib.util.spec_from_file_location(f"_plan_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if hasattr(module, "get_config"):
-        return module.get_config()
-    for name in ("CONFIG", "config"):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise ConfigError(f"{path} defines neither get_config() nor CONFIG")
