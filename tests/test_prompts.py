@@ -68,3 +68,38 @@ def test_per_domain_and_shard():
         P.per_domain(prompts, 1, seed=0, domains=("c",))
     shards = [P.shard(prompts, i, 3) for i in range(3)]
     assert sorted(p.text for s in shards for p in s) == sorted(p.text for p in prompts)
+
+
+def _write(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def test_stage2_pool_is_disjoint_from_stage1(tmp_path):
+    """The "fresh" pool: prompts stage 1 did not take, rounds × prompts_per_round of them,
+    balanced over domains; a separate stage-2 file may hold other domains."""
+    from adaflash_jax.distill import config as C
+    from adaflash_jax.distill.context import _prompts, _stage2_prompts
+
+    train = _write(tmp_path / "t.jsonl", [{"domain": d, "prompt": f"{d} {i}"}
+                                         for d in ("a", "b") for i in range(10)])  # fmt: skip
+    stage2 = C.Stage2Spec(rounds=2, prompts_per_round=4)
+    cfg = C.RunConfig(
+        target_path=str(tmp_path),
+        data=C.DataSpec(train_prompts=train, eval_prompts=train, train_per_domain=3),
+        stage2=stage2,
+    )
+    first = _prompts(cfg, "train")
+    pool = _stage2_prompts(cfg, first)
+    assert len(first) == 6 and len(pool) == 8
+    assert sorted(p.domain for p in pool) == ["a"] * 4 + ["b"] * 4
+    assert not {P.identity(p) for p in pool} & {P.identity(p) for p in first}
+    # a separate stage-2 file (another domain: domain adaptation) is used as it is
+    other = _write(tmp_path / "s.jsonl", [{"domain": "c", "prompt": f"c {i}"} for i in range(9)])
+    cfg = C.override(cfg, {"data.stage2_prompts": repr(other)})
+    pool = _stage2_prompts(cfg, first)
+    assert len(pool) == 8 and {p.domain for p in pool} == {"c"}
+    # the pool "stage1" replays stage 1's sequences: no fresh prompts are drawn
+    assert _stage2_prompts(C.override(cfg, {"stage2.pool": "'stage1'"}), first) == []

@@ -164,7 +164,7 @@ def _stage2_prompts(cfg: RunConfig, train: list[P.Prompt]) -> list[P.Prompt]:
         return []
     used = {P.identity(p) for p in train}
     left = [p for p in _found_prompts(cfg, "stage2") if P.identity(p) not in used]
-    domains = cfg.data.domains or tuple(dict.fromkeys(p.domain for p in train))
+    domains = cfg.data.domains or tuple(dict.fromkeys(p.domain for p in left))
     per = -(-need // max(len(domains), 1))
     pool = P.per_domain(left, per, seed=cfg.seed + 1, domains=domains) if left else []
     if 0 < len(pool) < need and jax.process_index() == 0:
