@@ -1,7 +1,10 @@
 """Which knob to turn when a plan does not fit, and which mesh to pick for a slice.
 
 Every suggestion is a re-run of `estimate` with one knob changed, so the advice states the
-resulting peak rather than a rule of thumb.
+resulting peak rather than a rule of thumb. It names only knobs the run config has: mesh,
+num_anchors, batch_size, stage2.collect_slots, loss_chunk and train_attention (the planner's
+`logits_chunk` and `attention`); the planner's `remat` has no trainer knob, so it is never
+advised.
 """
 
 from __future__ import annotations
@@ -91,15 +94,13 @@ def suggest(plan: MemoryPlan, hbm_bytes: float, headroom: float = 0.1) -> list[S
             out.append(Suggestion("mesh", f"mesh {inp.mesh} -> {mesh}", cand.peak_bytes))
     out.sort(key=lambda s: s.peak_bytes)
     del out[3:]  # the three roomiest meshes are enough
-    if not inp.remat:
-        first_fit("remat", [True], lambda v: inp.replace(remat=v), lambda v: "remat=True")
     n = inp.num_anchors
     chunk = inp.logits_chunk or n
     first_fit(
-        "logits_chunk",
+        "loss_chunk",
         _halvings(chunk),
         lambda v: inp.replace(logits_chunk=v),
-        lambda v: f"logits_chunk {chunk} -> {v} (anchors whose logits are live at once)",
+        lambda v: f"loss_chunk {chunk} -> {v} (blocks whose logits are live at once)",
     )
     first_fit(
         "num_anchors",
@@ -121,10 +122,10 @@ def suggest(plan: MemoryPlan, hbm_bytes: float, headroom: float = 0.1) -> list[S
     )
     if inp.attention == "naive":
         first_fit(
-            "attention",
+            "train_attention",
             ["fused"],
             lambda v: inp.replace(attention=v),
-            lambda v: "a fused (flash-style) attention kernel: no materialised scores",
+            lambda v: "train_attention='sparse' (no dense block-to-context scores)",
         )
     return out
 
@@ -138,7 +139,7 @@ def format_advice(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> st
         return (
             "no single knob makes this fit; the largest term is "
             f"'{worst.name}' ({worst.bytes / GIB:.1f} GiB): use more devices, or change "
-            "several knobs at once (mesh, batch_size, num_anchors, remat, logits_chunk)"
+            "several knobs at once (mesh, batch_size, num_anchors, collect_slots, loss_chunk)"
         )
     lines = ["does not fit; each of these single changes would:"]
     lines += [f"  - {s.change}: peak {s.peak_bytes / GIB:.2f} GiB" for s in found]
