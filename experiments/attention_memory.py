@@ -176,7 +176,10 @@ def main(argv=None) -> int:
         mesh = make_mesh(*mesh_shape, devices=_devices(args.platform, args.topology))
     except (ValueError, RuntimeError) as e:  # a bad mesh, or a topology libtpu rejects
         p.error(str(e).splitlines()[0])
-    build = _programs(args, mesh)
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors("error", ValueError):  # e.g. an unknown --shape
+        build = _programs(args, mesh)
     where = f"{args.topology} (deviceless)" if args.platform == "tpu" else "CPU backend"
     print(
         f"# {args.program}: {where}, mesh {dict(mesh.shape)}, per chip B={args.batch} "

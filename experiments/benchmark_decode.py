@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.bench.shapes import shape_config
+from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
@@ -126,10 +127,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    if args.shape:
-        return shape_mode(args)
-    if args.slots:
-        return slots_mode(args)
+    with one_line_errors():
+        if args.shape:
+            return shape_mode(args)
+        if args.slots:
+            return slots_mode(args)
     model = build_random_target(args.config, dtype=getattr(jnp, args.dtype))
     rows = [
         bench_plain(

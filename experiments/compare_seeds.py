@@ -41,7 +41,10 @@ def main(argv=None) -> int:
         if code:
             print(f"error: seed {seed} exited with {code}", file=sys.stderr)
             return code
-    agg = S.aggregate(S.load_reports(run_dirs))
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors():
+        agg = S.aggregate(S.load_reports(run_dirs))
     with open(os.path.join(args.out, "seeds.json"), "w") as f:
         json.dump(agg, f, indent=2)
     text = S.markdown(agg)

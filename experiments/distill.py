@@ -46,6 +46,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    from adaflash_jax.cli import bad_input_errors
     from adaflash_jax.distill.config import ConfigError, load_config, override
     from adaflash_jax.distill.pipeline import Preempted, run
 
@@ -61,8 +62,11 @@ def main(argv=None) -> int:
         cfg = override(cfg, sets)
         run(cfg, run_dir=args.run_dir, progress=not args.no_progress)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except bad_input_errors() as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except Preempted as e:
         print(f"preempted: {e}; rerun with the same --run-dir to resume", file=sys.stderr)
         return 143

@@ -17,12 +17,13 @@ import os
 
 import jax.numpy as jnp
 
+from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.build import POLICY_NAMES, build_engine
 from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
 from adaflash_jax.decode.policy import PolicyError
 from adaflash_jax.decode.slots import EngineError
-from adaflash_jax.model.checkpoint import CheckpointError, load_target
+from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.tokenizer import Tokenizer, TokenizerError
 
@@ -91,12 +92,8 @@ def print_results(args, tok: Tokenizer | None, prompts, outputs, stats=None) -> 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
+    with one_line_errors("error", GenerateError, EngineError, PolicyError, TokenizerError):
         run(args)
-    except (GenerateError, EngineError, PolicyError, TokenizerError, CheckpointError) as e:
-        raise SystemExit(f"error: {e}") from None
-    except (ConfigError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def goodput_options(args) -> dict:

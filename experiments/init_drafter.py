@@ -9,9 +9,9 @@ import argparse
 
 import jax.numpy as jnp
 
+from adaflash_jax.cli import one_line_errors
 from adaflash_jax.drafter.checkpoint import save_drafter
 from adaflash_jax.drafter.init import drafter_for_target
-from adaflash_jax.model.config import ConfigError
 
 
 def main(argv=None) -> None:
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
         ids = tuple(int(x) for x in a.target_layer_ids.split(",")) if a.target_layer_ids else None
     except ValueError:
         p.error(f"--target-layer-ids must be a comma list of integers, got {a.target_layer_ids!r}")
-    try:
+    with one_line_errors():
         drafter = drafter_for_target(
             a.target,
             num_layers=a.layers,
@@ -42,9 +42,7 @@ def main(argv=None) -> None:
             length_head=not a.no_length_head,
             seed=a.seed,
         )
-    except (ConfigError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
-    save_drafter(drafter, a.out, dtype=getattr(jnp, a.dtype))
+        save_drafter(drafter, a.out, dtype=getattr(jnp, a.dtype))
     cfg = drafter.config
     print(
         f"wrote drafter to {a.out}: {cfg.num_hidden_layers} layers, block {cfg.block_size}, "

@@ -44,13 +44,15 @@ def main(argv=None) -> dict:
         with open(f"{out}/metrics.json") as f:
             metrics = json.load(f)
     else:
+        from adaflash_jax.cli import one_line_errors
         from adaflash_jax.train.presets import get_preset
         from adaflash_jax.train.pretrain import run_pretrain
 
         out = args.out
-        metrics = run_pretrain(
-            get_preset(args.preset), out, steps=args.steps, resume=args.resume, mesh=mesh
-        )
+        with one_line_errors("error", FileExistsError):
+            metrics = run_pretrain(
+                get_preset(args.preset), out, steps=args.steps, resume=args.resume, mesh=mesh
+            )
     summary = {
         k: metrics.get(k) for k in ("preset", "status", "step", "num_params", "tokens_per_s")
     }

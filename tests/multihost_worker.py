@@ -4,7 +4,7 @@
         --process-id I --num-processes 2 --port P --local-devices 4
 
 Runs the pipeline's own training machinery (`distill.context.prepare`, `stages.Trainer`,
-`BatchIterator` with this process's rows, orbax checkpoints, process-0 TensorBoard/export)
+grain's `batch_iterator` with this process's rows, orbax checkpoints, process-0 TensorBoard/export)
 on a global (data, fsdp, tensor) mesh:
 
   stage 2 (AdaFlash: clipped RKL + CE + length-head MSE), one round: greedy replay

@@ -288,18 +288,22 @@ def test_export_refuses_nan_and_drops_a_stale_part(tmp_path):
     assert not load_drafter(tmp_path / "re").length_head.has_accept_output
 
 
-def test_publish_copies_the_part_and_marks_completion_last(tmp_path, monkeypatch):
-    """The gs:// path: a finished local export is copied file by file, config.json last."""
-    from adaflash_jax.distill import export, fs
+def test_remote_export_writes_the_part_and_marks_completion_last(tmp_path, monkeypatch):
+    """The gs:// path, on fsspec's in-memory filesystem: every file goes straight to the
+    remote directory, config.json (the completion marker) last."""
+    import fsspec
 
-    save_drafter(_drafter(), tmp_path / "local")
+    from adaflash_jax.io import fs
+
     order = []
     real = fs.write_bytes
     monkeypatch.setattr(fs, "write_bytes", lambda p, data: (order.append(p), real(p, data)))
-    export.publish(str(tmp_path / "local"), str(tmp_path / "dest"))
-    dest = str(tmp_path / "dest")
+    dest = "memory://exports/accept"
+    save_drafter(_drafter(), dest)
     assert order[-1] == f"{dest}/config.json" and f"{dest}/{ACCEPT_FILE}" in order
-    a, b = load_drafter(tmp_path / "local"), load_drafter(tmp_path / "dest")
+    fsspec.filesystem("memory").get("/exports/accept", str(tmp_path / "copy"), recursive=True)
+    save_drafter(_drafter(), tmp_path / "local")
+    a, b = load_drafter(tmp_path / "local"), load_drafter(tmp_path / "copy")
     np.testing.assert_array_equal(
         a.length_head.accept.proj_in.kernel, b.length_head.accept.proj_in.kernel
     )

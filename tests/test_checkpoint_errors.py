@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +125,48 @@ def test_corrupt_header(bad_dir):
     with open(bad_dir / "model.safetensors", "r+b") as f:
         f.seek(8)
         f.write(b"{not json")
-    with pytest.raises(SafetensorsError, match="header is not valid JSON"):
+    with pytest.raises(SafetensorsError, match="model.safetensors.*invalid JSON in header"):
         load_target(bad_dir)
+
+
+def _truncate(path, keep_fraction=0.5):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep_fraction))
+
+
+def test_truncated_file(bad_dir):
+    _truncate(bad_dir / "model.safetensors")
+    with pytest.raises(SafetensorsError, match="model.safetensors: not a readable safetensors"):
+        load_target(bad_dir)
+
+
+def test_truncated_file_is_one_line_from_the_generate_cli(bad_dir):
+    """`experiments.generate` on a truncated model.safetensors: one line naming the file and
+    the problem, exit status 1, no traceback."""
+    _truncate(bad_dir / "model.safetensors")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "experiments.generate", "--target", str(bad_dir)]
+    cmd += ["--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert lines[-1].startswith("error: ") and "model.safetensors" in lines[-1], out.stderr
+    assert "not a readable safetensors file" in lines[-1]
+
+
+def test_save_is_atomic_and_reads_slices(tmp_path):
+    """The writer leaves no temporary file; views read slices (transposed too) exactly."""
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6)
+    path = tmp_path / "sub" / "x.safetensors"
+    save_file({"a": arr, "b": arr.astype(ml_dtypes.bfloat16)}, path)
+    assert sorted(os.listdir(path.parent)) == ["x.safetensors"]
+    f = SafetensorsFile(path)
+    np.testing.assert_array_equal(f.get("a")[1:3, 2:5], arr[1:3, 2:5])
+    np.testing.assert_array_equal(f.get("a").T[2:5, 1:3], arr.T[2:5, 1:3])
+    np.testing.assert_array_equal(np.asarray(f.get("b").T), arr.T.astype(ml_dtypes.bfloat16))
+    assert f.get("a").T.shape == (6, 4) and f.dtype("b") == np.dtype(ml_dtypes.bfloat16)
 
 
 def test_config_shape_mismatch_names_tensor(bad_dir):

@@ -21,7 +21,6 @@ from adaflash_jax.data.corpus import (
 from adaflash_jax.data.dialogue import SPECIAL_TOKENS, render_chat
 from adaflash_jax.data.pipeline import (
     batch_iterator,
-    grain_available,
     pack_documents,
     positions_from_segments,
     tokenize_documents,
@@ -198,49 +197,24 @@ def _same(a, b):
 
 def test_batch_iterator_state_resumes_exactly():
     rows = _rows()
-    it = batch_iterator(
-        rows, global_batch=4, seed=5, process_index=0, process_count=1, backend="python"
-    )
+    kw = dict(global_batch=4, seed=5, process_index=0, process_count=1)
+    it = batch_iterator(rows, **kw)
     for _ in range(3):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(6)]  # crosses an epoch boundary
-    fresh = batch_iterator(
-        rows, global_batch=4, seed=5, process_index=0, process_count=1, backend="python"
-    )
+    fresh = batch_iterator(rows, **kw)
     fresh.set_state(state)
     assert all(_same(e, next(fresh)) for e in expected)
-    with pytest.raises(ValueError, match="global_batch"):
-        batch_iterator(
-            rows, global_batch=2, seed=5, process_index=0, process_count=1, backend="python"
-        ).set_state(state)
     epoch_rows = np.concatenate([b["tokens"] for b in [next(fresh) for _ in range(20)]])
     assert len({r.tobytes() for r in epoch_rows}) == rows.num_rows  # every row is visited
 
 
-def test_grain_and_python_backends_agree_and_states_are_interchangeable():
-    if not grain_available():
-        pytest.skip("grain is not installed")
-    rows = _rows()
-    kw = dict(global_batch=4, seed=2, process_index=0, process_count=1)
-    g, p = batch_iterator(rows, backend="grain", **kw), batch_iterator(rows, backend="python", **kw)
-    for _ in range(5):
-        assert _same(next(g), next(p))
-    assert g.get_state() == p.get_state()
-    fresh = batch_iterator(rows, backend="grain", **kw)
-    fresh.set_state(p.get_state())
-    assert _same(next(fresh), next(p))
-
-
 def test_processes_split_each_global_batch():
     rows = _rows()
-    whole = batch_iterator(
-        rows, global_batch=4, seed=0, process_index=0, process_count=1, backend="python"
-    )
+    whole = batch_iterator(rows, global_batch=4, seed=0, process_index=0, process_count=1)
     parts = [
-        batch_iterator(
-            rows, global_batch=4, seed=0, process_index=i, process_count=2, backend="python"
-        )
+        batch_iterator(rows, global_batch=4, seed=0, process_index=i, process_count=2)
         for i in range(2)
     ]
     for _ in range(4):

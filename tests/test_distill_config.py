@@ -80,3 +80,19 @@ def test_qwen3_8b_recipe_builds_abstractly():
     assert 3.5 < drafter_gb < 5.5  # ~1.1B fp32 master weights (5 layers + fc + head)
     assert nbytes(state.opt_state) == pytest.approx(2 * nbytes(state.params), rel=0.01)
     assert cfg.resolve_mesh(32) == (4, 8, 1)
+
+
+def test_one_config_file_loader(tmp_path):
+    """The planner reads config files through the run config's loader; a file whose object
+    is not a RunConfig still plans, but does not run."""
+    from adaflash_jax.distill import config as C
+    from adaflash_jax.plan import inputs
+
+    assert inputs.load_config_file is C.load_config_file
+    path = tmp_path / "plan_only.py"
+    path.write_text("import types\nCONFIG = types.SimpleNamespace(batch_size=4)\n")
+    assert C.load_config_file(path).batch_size == 4
+    with pytest.raises(ConfigError, match="not RunConfig"):
+        load_config(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.py")

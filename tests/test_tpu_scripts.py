@@ -175,8 +175,8 @@ def test_setup_dry_run_from_git_url():
          "https://storage.googleapis.com/jax-releases/libtpu_releases.html && "
          "adaflash_venv/bin/pip install -q -e adaflash_jax"],
         [*SSH, "--command=mkdir -p models && gcloud storage cp -r gs://b/models/Qwen3-8B models/"],
-        [*SSH, "--command=adaflash_venv/bin/python -c 'import jax; print(jax.process_index(), "
-         "jax.local_device_count(), jax.device_count())'"],
+        [*SSH, "--command=adaflash_venv/bin/python -c 'import gcsfs, jax; "
+         "print(jax.process_index(), jax.local_device_count(), jax.device_count())'"],
     ]  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 #   1. the code: `git clone` of TPU_REPO_URL at TPU_REPO_REF, or (default) a tarball of this
 #      checkout's HEAD copied with `gcloud compute tpus tpu-vm scp`;
 #   2. Python >= 3.11 (TPU images ship Ubuntu 22.04's 3.10; deadsnakes provides 3.11), a venv,
-#      jax[tpu] pinned to TPU_JAX_VERSION with Google's libtpu find-links, `pip install -e`;
+#      jax[tpu] pinned to TPU_JAX_VERSION with Google's libtpu find-links, `pip install -e`
+#      (which brings gcsfs and tensorboardX: run directories and logs on gs://);
 #   3. optionally the target checkpoint, copied from GCS to local disk on each worker
 #      (the safetensors reader memory-maps local files).
 # Ends by printing each worker's JAX device count, which needs every worker of the slice.
@@ -85,5 +86,7 @@ if [[ -n $TPU_SYNC_MODEL ]]; then
   tpu_ssh all "mkdir -p $dest && gcloud storage cp -r $(printf '%q' "$TPU_SYNC_MODEL") $dest/"
 fi
 
-tpu_ssh all "$REMOTE_VENV/bin/python -c 'import jax; \
+# gcsfs (gs:// run directories) comes with the project's dependencies; importing it here
+# fails the set-up early on a worker that lacks it.
+tpu_ssh all "$REMOTE_VENV/bin/python -c 'import gcsfs, jax; \
 print(jax.process_index(), jax.local_device_count(), jax.device_count())'"

@@ -32,8 +32,8 @@ from adaflash_jax.aot.abstract import (
     struct,
 )
 from adaflash_jax.aot.program import Program
-from adaflash_jax.decode.programs import prefill_slots, run_loop
 from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit
+from adaflash_jax.decode.programs import prefill_slots, run_loop
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.config import TargetConfig

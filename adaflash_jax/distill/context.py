@@ -17,12 +17,12 @@ import os
 import jax
 from jax.sharding import Mesh
 
-from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.drafter.checkpoint import config_from_hf
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.init import find_mask_token_id
+from adaflash_jax.io import fs
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
 

@@ -1,10 +1,12 @@
-"""The train loop shared by every stage: resume, step, log, checkpoint, stop on SIGTERM.
+"""The train loop shared by every stage: resume, step, log, checkpoint, stop on preemption.
 
-A stage's checkpoint directory holds its `TrainState` minus the frozen target and the data
-iterator's JSON state (plus whatever `data_extra` the caller adds, e.g. the stage-2 round).
-`run_stage` restores the latest checkpoint when there is one, so calling it again after a
-kill continues with the exact next batch; the last step is always saved (forced). Logged
-metrics are means over the log interval (TensorBoard and the returned history).
+A stage's checkpoint directory holds its `TrainState` minus the frozen target, the grain
+iterator's position (grain's orbax handler) and a JSON `extra` the caller adds (e.g. the
+stage-2 round). `restore_or_start` restores the latest checkpoint when there is one, and
+the caller moves its freshly built iterator there (`Checkpointer.restore_data`), so
+calling it again after a kill continues with the exact next batch; the last step is always
+saved (forced). Logged metrics are means over the log interval (TensorBoard and the
+returned history).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from adaflash_jax.distill.state import checkpointable
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
@@ -23,16 +24,12 @@ from adaflash_jax.train.progress import Progress
 from adaflash_jax.train.state import TrainState
 
 
-def _stop_requested(guard: PreemptionGuard | None) -> bool:
-    """Whether ANY process got a stop request. Hosts may see SIGTERM at different steps; if
-    one entered the checkpoint barrier while the others ran the next step's collectives, the
-    pod would hang, so multi-process runs agree on the flag before acting on it."""
-    flag = guard is not None and guard.should_stop
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+def _stop_requested(ckpt: Checkpointer | None, guard, step: int) -> bool:
+    """Orbax's preemption sync point (multi-process: JAX's preemption service has every host
+    agree on the step) or the guard's flag (single process: SIGTERM; tests)."""
+    if ckpt is not None and ckpt.reached_preemption(step):
+        return True
+    return guard is not None and guard.should_stop
 
 
 class Preempted(RuntimeError):
@@ -44,7 +41,7 @@ class StageRun:
     name: str
     step_fn: Callable  # jitted (state, global batch) -> (state, metrics)
     put: Callable[[dict], dict]  # host rows -> global sharded batch
-    batches: object  # iterator with get_state / set_state
+    batches: object  # grain DatasetIterator (checkpointed by grain's orbax handler)
     total_steps: int
     tokens_per_step: int
     log_every: int = 10
@@ -55,13 +52,14 @@ class StageRun:
 
 def restore_or_start(
     ckpt: Checkpointer | None, state: TrainState, shardings: TrainState
-) -> tuple[TrainState, dict | None]:
-    """(state, data_state) from the latest checkpoint, re-attaching the frozen target."""
+) -> tuple[TrainState, dict]:
+    """(state, extra) from the latest checkpoint, re-attaching the frozen target; the
+    iterator's position is restored separately (`ckpt.restore_data`)."""
     if ckpt is None or ckpt.latest_step() is None:
-        return state, None
+        return state, {}
     abstract = jax.eval_shape(lambda s: s, checkpointable(state))
-    restored, data_state = ckpt.restore(abstract, checkpointable(shardings))
-    return restored.replace(frozen=state.frozen), data_state
+    restored, extra = ckpt.restore(abstract, checkpointable(shardings))
+    return restored.replace(frozen=state.frozen), extra
 
 
 def run_stage(
@@ -70,7 +68,7 @@ def run_stage(
     *,
     ckpt: Checkpointer | None,
     guard: PreemptionGuard | None,
-    data_extra: dict | None = None,
+    extra: dict | None = None,
 ) -> tuple[TrainState, list[dict]]:
     """Trains until `state.step == run.total_steps`; returns (state, logged metrics)."""
     history: list[dict] = []
@@ -80,8 +78,7 @@ def run_stage(
 
     def save(step: int, force: bool):
         if ckpt is not None and ckpt.latest_step() != step:
-            data = {**run.batches.get_state(), **(data_extra or {})}
-            ckpt.save(step, checkpointable(state), data, force=force)
+            ckpt.save(step, checkpointable(state), run.batches, extra, force=force)
 
     with Progress(
         total=run.total_steps,
@@ -93,7 +90,7 @@ def run_stage(
         t_last, steps_since = time.perf_counter(), 0
         summed, count = None, 0  # metrics summed on device over the log interval
         for step in range(start, run.total_steps):
-            if _stop_requested(guard):
+            if _stop_requested(ckpt, guard, step):
                 save(step, force=True)
                 if ckpt is not None:
                     ckpt.wait()

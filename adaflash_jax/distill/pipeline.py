@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.distill import fs
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
@@ -36,6 +35,7 @@ from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
 from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate, stage1_long_steps
 from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded
+from adaflash_jax.io import fs
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import PreemptionGuard
@@ -164,18 +164,12 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
         d_graph, params = fresh_drafter(
             dc, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed, dtype=dtype
         )
-    tb = fs.LocalDir(ctx.path("tb"))  # TensorBoard writes locally; mirrored to gs:// runs
-    writer = ScalarWriter(tb.local)
-    try:
-        with writer, PreemptionGuard() as guard:
-            trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
-            results = _train_and_evaluate(ctx, trainer, params, data, mark, t)
-    finally:
-        if ctx.is_main:
-            tb.sync()
+    with ScalarWriter(ctx.path("tb")) as writer, PreemptionGuard() as guard:
+        trainer = Trainer(ctx, mesh, target_split, d_graph, writer=writer, guard=guard)
+        results = _train_and_evaluate(ctx, trainer, params, data, mark, t)
     report = _report(ctx, results, timings, time.perf_counter() - t0, data)
     if ctx.is_main:
-        R.plot_losses(ctx.path("losses.png"), read_scalars(tb.local))
+        R.plot_losses(ctx.path("losses.png"), read_scalars(ctx.path("tb")))
     return report
 
 

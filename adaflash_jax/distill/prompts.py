@@ -16,11 +16,14 @@ host-local pipelines; a grain `MapDataset` view is available where grain is inst
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
+
+from adaflash_jax.io import fs
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 _SHAREGPT_ROLES |= {"system": "system", "chatgpt": "assistant", "bing": "assistant"}
@@ -69,12 +72,12 @@ def parse_record(record: dict, *, default_domain: str, where: str = "record") ->
 
 def read_prompts(path: str | os.PathLike, *, default_domain: str | None = None) -> list[Prompt]:
     """Every prompt of a file (format chosen by extension, see the module docstring)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
+    path = os.fspath(path)  # local or gs://
+    if not fs.exists(path) or fs.isdir(path):
         raise FileNotFoundError(f"prompt file does not exist: {path}")
     domain = default_domain or os.path.splitext(os.path.basename(path))[0]
     ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as f:
+    with io.StringIO(fs.read_text(path)) as f:
         if ext == ".json":
             records = json.load(f)
             if not isinstance(records, list):

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from adaflash_jax.distill import fs
+from adaflash_jax.io import fs
 
 
 def summarise(tau: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from adaflash_jax.distill import fs
 from adaflash_jax.distill.report import summarise
+from adaflash_jax.io import fs
 
 # (numerator, denominator, goal) of the issue-14 draft-quality goals
 RATIO_GOALS = (("adaflash", "sft", 1.05), ("adaflash", "stage1_long", 1.10))

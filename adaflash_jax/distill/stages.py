@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from adaflash_jax.distill import collect, steps
-from adaflash_jax.distill.batches import BatchIterator, SequenceData
+from adaflash_jax.distill.batches import SequenceData, batch_iterator
 from adaflash_jax.distill.config import STAGE2_OBJECTIVE, RunConfig
 from adaflash_jax.distill.context import Context
 from adaflash_jax.distill.loop import StageRun, restore_or_start, run_stage
@@ -142,8 +142,8 @@ class Trainer:
 
     def _iterator(
         self, data: SequenceData, seed: int, anchor_rule: str = "response", num_anchors=None
-    ) -> BatchIterator:
-        return BatchIterator(
+    ):
+        return batch_iterator(
             data,
             global_batch=self.cfg.batch_size,
             num_anchors=num_anchors or self.cfg.num_anchors,
@@ -168,7 +168,7 @@ class Trainer:
             params, self.frozen, tx, mesh=self.mesh, rules=TRAIN_RULES, seed=self.cfg.seed
         )
         ckpt = self._checkpointer(name)
-        state, data_state = restore_or_start(ckpt, state, shardings)
+        state, extra = restore_or_start(ckpt, state, shardings)
         if fn is None:
             spec = self._spec(kind, divergence)
             fn = steps.jit_step(
@@ -177,9 +177,9 @@ class Trainer:
                 batch_shardings_=self.bsh,
             )
             _COMPILED[key] = (tx, schedules, fn)
-        return state, data_state, ckpt, fn
+        return state, extra, ckpt, fn
 
-    def _run(self, name, fn, state, it, total, ckpt, data_extra=None, knobs=None):
+    def _run(self, name, fn, state, it, total, ckpt, extra=None, knobs=None):
         run = StageRun(
             name=name,
             step_fn=fn,
@@ -192,7 +192,7 @@ class Trainer:
             progress=self.ctx.progress,
         )
         try:
-            state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, data_extra=data_extra)
+            state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, extra=extra)
         finally:
             self.frozen = state.frozen
         self.histories.setdefault(name, []).extend(hist)
@@ -201,10 +201,10 @@ class Trainer:
     def _fixed_data_stage(self, name, kind, params, groups, total, it_args, clip):
         if total == 0:
             return params
-        state, data_state, ckpt, fn = self._begin(name, kind, params, groups, clip)
+        state, _, ckpt, fn = self._begin(name, kind, params, groups, clip)
         it = self._iterator(*it_args)
-        if data_state:
-            it.set_state(data_state)
+        if ckpt.restored_step is not None:
+            ckpt.restore_data(it)
         with ckpt:
             state = self._run(name, fn, state, it, total, ckpt)
         return state.params
@@ -241,7 +241,7 @@ class Trainer:
             "tau": s2.tau,
             "temperature": s2.temperature,
         }
-        state, data_state, ckpt, fn = self._begin(name, "stage2", params, groups, clip, divergence)
+        state, extra, ckpt, fn = self._begin(name, "stage2", params, groups, clip, divergence)
         taus = []
         with ckpt:
             for r in range(s2.rounds):
@@ -256,8 +256,8 @@ class Trainer:
                     scalars[f"{name}/collect_tau"] = float(np.nanmean(list(tau.values())))
                     self.writer.write(r * s2.steps_per_round, scalars)
                 it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), s2.anchors)
-                if data_state and data_state.get("round") == r:
-                    it.set_state(data_state)
+                if extra.get("round") == r:  # resumed mid-round: the round's data position
+                    ckpt.restore_data(it)
                 state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
         return state.params, taus
 

@@ -35,6 +35,7 @@ from flax import nnx
 from adaflash_jax.drafter.config import DrafterConfig, LengthHeadConfig
 from adaflash_jax.drafter.length_head import ACCEPT_FEATURES
 from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, layer_param_table
 from adaflash_jax.model.config import ConfigError, default_feature_layers, read_rope
@@ -223,31 +224,26 @@ def _host_tensors(table, dtype) -> dict[str, np.ndarray]:
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16) -> None:
-    """Writes the export; every weight file lands before config.json (the completion marker),
-    so a torn write is never loadable. The acceptance part, if any, is float32."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    """Writes the export to a local directory or a `gs://` URL; every weight file lands before
+    config.json (the completion marker), so a torn write is never loadable. The acceptance
+    part, if any, is float32."""
+    path = fs.absolute(path)
     tensors = _host_tensors(drafter_param_table(drafter), dtype)
     head = drafter.length_head
     extra = None
     if head is not None and head.has_accept_output:
         extra = _host_tensors(accept_param_table(drafter), np.float32)
-    cfg_file = os.path.join(path, "config.json")
-    if os.path.exists(cfg_file):  # overwriting an export: it is incomplete until we finish
-        os.remove(cfg_file)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    part = os.path.join(path, ACCEPT_FILE)
+    cfg_file = fs.join(path, "config.json")
+    fs.remove(cfg_file)  # overwriting an export: it is incomplete until we finish
+    save_file(tensors, fs.join(path, "model.safetensors"))
+    part = fs.join(path, ACCEPT_FILE)
     if extra is not None:
-        os.makedirs(os.path.dirname(part), exist_ok=True)
         save_file(extra, part)
-    elif os.path.exists(part):  # a stale part from an earlier export into this directory
-        os.remove(part)
+    else:  # a stale part from an earlier export into this directory
+        fs.remove(part)
     cfg = config_to_hf(drafter.config)
     cfg["dtype"] = cfg["torch_dtype"] = tensors["fc.weight"].dtype.name
-    tmp = cfg_file + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(cfg, f, indent=2)
-    os.replace(tmp, cfg_file)
+    fs.write_text(cfg_file, json.dumps(cfg, indent=2))
 
 
 @dataclasses.dataclass(frozen=True)

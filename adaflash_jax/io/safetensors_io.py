@@ -1,93 +1,124 @@
-"""Minimal safetensors reader/writer over numpy memory maps.
+"""safetensors files through the `safetensors` library (numpy API; bf16 via ml_dtypes).
 
-Reading through `np.memmap` lets a loader slice one device's shard of a tensor without
-reading (or holding) the rest, and it handles bf16 through `ml_dtypes`, which the
-`safetensors` numpy backend does not.
+Reading memory-maps the file (`safe_open`) and hands out lazy `TensorView`s: indexing one
+reads only that slice (`get_slice`), so a sharded loader lets each device read its own
+shard. Writing goes through `io.fs`: atomic on local disks (temporary file, then a rename),
+one object on `gs://`. Library errors (a truncated or malformed file) become
+`SafetensorsError`, naming the file.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Mapping
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, which safetensors' numpy API uses
 import numpy as np
+import safetensors
+import safetensors.numpy
 
-DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
+from adaflash_jax.io import fs
 
 
 class SafetensorsError(ValueError):
-    """A safetensors file that is truncated, malformed or uses an unknown dtype."""
+    """A safetensors file that is truncated, malformed or uses an unsupported dtype."""
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """Returns (tensor table, byte offset of the data section)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise SafetensorsError(f"{path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
-    header.pop("__metadata__", None)
-    data_start = 8 + n
-    for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        if data_start + end > size:
-            raise SafetensorsError(f"{path}: tensor {name!r} runs past the end of the file")
-    return header, data_start
+class TensorView:
+    """One stored tensor, read lazily; `.T` reverses the axes without reading anything."""
+
+    def __init__(self, file: SafetensorsFile, name: str, transposed: bool = False):
+        self._file, self.name, self._transposed = file, name, transposed
+        stored = file.shape(name)
+        self.shape = stored[::-1] if transposed else stored
+        self.dtype = file.dtype(name)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def T(self) -> TensorView:  # noqa: N802 - numpy's name
+        return TensorView(self._file, self.name, not self._transposed)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        if self._transposed:
+            return self._file.read(self.name, index[::-1]).T
+        return self._file.read(self.name, index)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self._file.read(self.name, None)
+        arr = arr.T if self._transposed else arr
+        return arr if dtype is None else arr.astype(dtype)
 
 
 class SafetensorsFile:
-    """Lazy, memory-mapped view of one .safetensors file."""
+    """A memory-mapped .safetensors file: names, shapes and dtypes without reading data."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self.header, self._data_start = read_header(self.path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"safetensors file does not exist: {self.path}")
+        try:
+            self._file = safetensors.safe_open(self.path, framework="numpy")
+            self._info = {}
+            for name in self._file.keys():
+                s = self._file.get_slice(name)
+                self._info[name] = (tuple(s.get_shape()), _dtype(s.get_dtype(), name, self.path))
+        except safetensors.SafetensorError as e:
+            raise SafetensorsError(f"{self.path}: not a readable safetensors file ({e})") from None
 
     def keys(self) -> list[str]:
-        return list(self.header)
+        return list(self._info)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
+        return self._info[name][0]
 
     def dtype(self, name: str) -> np.dtype:
-        return DTYPES[self.header[name]["dtype"]]
+        return self._info[name][1]
 
-    def get(self, name: str) -> np.ndarray:
-        """A read-only memory map of the tensor; slicing it reads only the slice."""
-        info = self.header[name]
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        dtype = DTYPES[info["dtype"]]
-        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-            raise SafetensorsError(f"{self.path}: tensor {name!r} has inconsistent byte size")
-        if not shape or 0 in shape:
-            return np.zeros(shape, dtype)
-        return np.memmap(
-            self.path, dtype=dtype, mode="r", offset=self._data_start + begin, shape=shape
-        )
+    def get(self, name: str) -> TensorView:
+        if name not in self._info:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        return TensorView(self, name)
+
+    def read(self, name: str, index: tuple | None) -> np.ndarray:
+        """The tensor (`index` None) or the given slice of it, in the stored layout."""
+        shape, dtype = self._info[name]
+        try:
+            if 0 in shape:  # the library cannot slice an empty tensor
+                whole = np.zeros(shape, dtype)
+                return whole if index is None else whole[index]
+            if index is None or not shape:
+                return self._file.get_tensor(name)
+            return self._file.get_slice(name)[index]
+        except safetensors.SafetensorError as e:
+            raise SafetensorsError(f"{self.path}: tensor {name!r}: {e}") from None
+
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _dtype(name: str, tensor: str, path: str) -> np.dtype:
+    if name not in _DTYPES:
+        raise SafetensorsError(f"{path}: tensor {tensor!r} has unsupported dtype {name}")
+    return np.dtype(_DTYPES[name])
 
 
 def save_file(
@@ -95,27 +126,17 @@ def save_file(
     path: str | os.PathLike,
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes tensors atomically (temp file + rename), so a crash never leaves a torn file."""
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    arrays = {}
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(np.asarray(tensors[name]))
-        if arr.dtype not in _NAMES:
+    """Writes `tensors` to `path` (local or remote), never leaving a torn file behind."""
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
+    for name, arr in arrays.items():
+        if arr.dtype not in {np.dtype(t) for t in _DTYPES.values()}:
             raise SafetensorsError(f"tensor {name!r} has unsupported dtype {arr.dtype}")
-        header[name] = {
-            "dtype": _NAMES[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays[name] = arr
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in sorted(arrays):
-            f.write(arrays[name].tobytes())
+    meta = dict(metadata or {"format": "pt"})
+    path = os.fspath(path)
+    if fs.is_remote(path):
+        fs.write_bytes(path, safetensors.numpy.save(arrays, metadata=meta))
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    safetensors.numpy.save_file(arrays, tmp, metadata=meta)
     os.replace(tmp, path)

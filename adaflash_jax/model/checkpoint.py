@@ -76,7 +76,7 @@ def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
                 if not os.path.isfile(fpath):
                     raise FileNotFoundError(f"shard {fname} listed in {index} does not exist")
                 files[fname] = SafetensorsFile(fpath)
-            if name not in files[fname].header:
+            if name not in files[fname]:
                 raise CheckpointError(f"tensor {name!r} is listed in the index but not in {fname}")
             out[name] = files[fname]
         return out

@@ -1,29 +1,23 @@
 """Which knob to turn when a plan does not fit, and which mesh to pick for a slice.
 
 Every suggestion is a re-run of `estimate` with one knob changed, so the advice states the
-resulting peak rather than a rule of thumb. It names only knobs the run config offers
-(mesh, num_anchors, batch_size, stage2.collect_slots) plus the trainer options listed in
-TRAINER_KNOBS.
+resulting peak rather than a rule of thumb. It names only knobs the run config has: mesh,
+num_anchors, batch_size, stage2.collect_slots, loss_chunk and train_attention (the planner's
+`logits_chunk` and `attention`); the planner's `remat` has no trainer knob, so it is never
+advised.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from adaflash_jax.aot.chips import CHIP_HBM_GIB  # the one chip table
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.plan.inputs import PlanInputs
 from adaflash_jax.plan.memory_estimate import GIB, MemoryPlan, estimate
 
-# Planner knobs that describe HOW the trainer computes. `estimate` models all of them (so
-# `experiments.plan --remat full` etc. answer "what if"), but advice names one only once the
-# training code offers it: add its name here when it lands.
-#   "logits_chunk": losses over chunks of anchors, never all [B, N, K-1, V] logits at once
-#                   (chunked losses; then also read the run config's knob in plan/inputs.py)
-#   "attention":    "fused", a training attention that never holds the dense block scores
-#                   (block-sparse / flash-style drafter attention)
-#   "remat":        rematerialised drafter layers in the backward pass
-TRAINER_KNOBS: frozenset[str] = frozenset()
+# HBM per chip as Google documents it (16 GB v5e, 95 GB v5p, 32 GB v6e), read as GiB; the
+# planner's headroom absorbs the runtime's own reservation.
+CHIP_HBM_GIB = {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +94,14 @@ def suggest(plan: MemoryPlan, hbm_bytes: float, headroom: float = 0.1) -> list[S
             out.append(Suggestion("mesh", f"mesh {inp.mesh} -> {mesh}", cand.peak_bytes))
     out.sort(key=lambda s: s.peak_bytes)
     del out[3:]  # the three roomiest meshes are enough
-    if "remat" in TRAINER_KNOBS and not inp.remat:
-        first_fit("remat", [True], lambda v: inp.replace(remat=v), lambda v: "remat=True")
     n = inp.num_anchors
     chunk = inp.logits_chunk or n
-    if "logits_chunk" in TRAINER_KNOBS:
-        first_fit(
-            "logits_chunk",
-            _halvings(chunk),
-            lambda v: inp.replace(logits_chunk=v),
-            lambda v: f"logits_chunk {chunk} -> {v} (anchors whose logits are live at once)",
-        )
+    first_fit(
+        "loss_chunk",
+        _halvings(chunk),
+        lambda v: inp.replace(logits_chunk=v),
+        lambda v: f"loss_chunk {chunk} -> {v} (blocks whose logits are live at once)",
+    )
     first_fit(
         "num_anchors",
         _halvings(n),
@@ -129,18 +120,14 @@ def suggest(plan: MemoryPlan, hbm_bytes: float, headroom: float = 0.1) -> list[S
         lambda v: inp.replace(collect_slots=v),
         lambda v: f"collect_slots {inp.slots} -> {v}",
     )
-    if "attention" in TRAINER_KNOBS and inp.attention == "naive":
+    if inp.attention == "naive":
         first_fit(
-            "attention",
+            "train_attention",
             ["fused"],
             lambda v: inp.replace(attention=v),
-            lambda v: "a fused (flash-style) attention kernel: no materialised scores",
+            lambda v: "train_attention='sparse' (no dense block-to-context scores)",
         )
     return out
-
-
-def advised_knobs() -> list[str]:
-    return ["mesh", "batch_size", "num_anchors", "collect_slots", *sorted(TRAINER_KNOBS)]
 
 
 def format_advice(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> str:
@@ -152,7 +139,7 @@ def format_advice(plan: MemoryPlan, hbm_gib: float, headroom: float = 0.1) -> st
         return (
             "no single knob makes this fit; the largest term is "
             f"'{worst.name}' ({worst.bytes / GIB:.1f} GiB): use more devices, or change "
-            f"several knobs at once ({', '.join(advised_knobs())})"
+            "several knobs at once (mesh, batch_size, num_anchors, collect_slots, loss_chunk)"
         )
     lines = ["does not fit; each of these single changes would:"]
     lines += [f"  - {s.change}: peak {s.peak_bytes / GIB:.2f} GiB" for s in found]

@@ -11,25 +11,30 @@ import of the training code. The fields it looks for (all optional except as not
 - drafter: a `DrafterConfig` (layers, block size, feature layers, width, length head are
   taken from it), or the flat fields drafter_layers, num_features / target_layer_ids,
   drafter_intermediate_size, length_head_dim, accept_dim (default 64 with a length head).
-- remat (bool, or "none"/"full"), attention ("naive" | "fused"), logits_chunk (anchors per
-  loss chunk), collect_slots, collect_capacity, collect_prompt_len, target_rules,
-  compute_dtype ("bfloat16" | "float32": bytes of activations, target weights and caches).
+- remat (bool, or "none"/"full"), attention ("naive" | "fused"; else a run config's
+  train_attention, "sparse" read as "fused"), logits_chunk (anchors per loss chunk; else a
+  run config's loss_chunk, 0 meaning all), collect_slots, collect_capacity,
+  collect_prompt_len, target_rules, compute_dtype ("bfloat16" | "float32": bytes of
+  activations, target weights and caches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from adaflash_jax.bench.shapes import shape_config
+from adaflash_jax.distill.config import load_config_file  # noqa: F401 - the one loader
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
+
+# A run config's training attention as the planner models it: the block-sparse path never
+# holds the dense [N·K, S + N·K] scores, which is what "fused" leaves out.
+_ATTENTION = {"sparse": "fused", "dense": "naive"}
 
 
 def qwen3_8b() -> TargetConfig:
@@ -252,8 +257,8 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         num_anchors=get("num_anchors"),
         block_size=get("block_size", block_default),
         remat=bool(remat),
-        attention=get("attention", "naive"),
-        logits_chunk=get("logits_chunk"),
+        attention=get("attention", _ATTENTION.get(get("train_attention"), "naive")),
+        logits_chunk=get("logits_chunk", get("loss_chunk") or None),
         collect_slots=get("collect_slots"),
         collect_capacity=get("collect_capacity", engine_capacity(cfg)),
         collect_prompt_len=get("collect_prompt_len", _prompt_len(cfg)),
@@ -274,20 +279,3 @@ def engine_capacity(cfg: Any) -> int | None:
 def _prompt_len(cfg: Any) -> int | None:
     data = getattr(cfg, "data", None)
     return None if data is None else data.max_prompt_len
-
-
-def load_config_file(path: str | os.PathLike) -> Any:
-    """The config object of a `experiments/configs/<name>.py` file: its `get_config()`,
-    else its `CONFIG` (or `config`) attribute."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file does not exist: {path}")
-    spec = importlib.util.spec_from_file_location(f"_plan_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if hasattr(module, "get_config"):
-        return module.get_config()
-    for name in ("CONFIG", "config"):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise ConfigError(f"{path} defines neither get_config() nor CONFIG")

@@ -1,10 +1,17 @@
-"""Resumable training checkpoints (orbax) and clean shutdown on SIGTERM.
+"""Resumable training checkpoints (orbax) and clean shutdown on preemption.
 
-A checkpoint holds the whole `TrainState` (params, optimizer state, step, rng) and the data
-iterator's state (JSON), so a resumed run continues with the exact next batch and rng.
+A checkpoint step holds three items: `state` (the whole `TrainState`: params, optimizer
+state, step, rng), `data` (the grain iterator's position, written by grain's own orbax
+handler, one file per process) and `extra` (a small JSON dict the caller adds, e.g. the
+stage-2 round). A resumed run therefore continues with the exact next batch and rng.
 Saves are asynchronous (training continues while arrays are written), kept `keep` deep,
-every `save_every` steps or on demand. Restore targets the abstract state WITH shardings,
-so every array comes back directly in its training layout.
+every `save_every` steps, on demand, or at a preemption sync point. Restore targets the
+abstract state WITH shardings, so every array comes back directly in its training layout.
+
+Preemption: on a multi-process run, JAX's preemption service (started by
+`jax.distributed.initialize`) catches SIGTERM on any host and has every host agree on one
+step, which `CheckpointManager.reached_preemption` reports; single-process runs have no
+such service, so `PreemptionGuard` turns SIGTERM into a flag there.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ import os
 import signal
 import threading
 
+import grain
+import jax
 import orbax.checkpoint as ocp
 
+from adaflash_jax.io import fs
 from adaflash_jax.train.state import abstract_with_shardings
 
 log = logging.getLogger(__name__)
@@ -34,9 +44,7 @@ class Checkpointer:
             raise ValueError(f"save_every must be positive, got {save_every}")
         if keep <= 0:
             raise ValueError(f"keep must be positive, got {keep}")
-        directory = os.fspath(directory)
-        # Remote run dirs (gs://...) go to orbax untouched; abspath would mangle the scheme.
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = fs.absolute(directory)  # local or gs://
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=save_every,
@@ -44,20 +52,27 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.restored_step: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every process reached the step JAX's preemption service agreed on."""
+        return self._manager.reached_preemption(step)
+
     def save(
-        self, step: int, state, data_state: dict | None = None, *, force: bool = False
+        self, step: int, state, data=None, extra: dict | None = None, *, force: bool = False
     ) -> bool:
-        """Starts a save when `step` is due (or `force`); returns whether one started."""
-        args = {"state": ocp.args.StandardSave(state)}
-        args["data"] = ocp.args.JsonSave(data_state or {})
+        """Starts a save when `step` is due (or `force`, or at a preemption sync point);
+        `data` is the grain iterator. Returns whether one started."""
+        args = {"state": ocp.args.StandardSave(state), "extra": ocp.args.JsonSave(extra or {})}
+        if data is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data)
         return self._manager.save(step, args=ocp.args.Composite(**args), force=force)
 
     def restore(self, abstract_state, shardings, step: int | None = None):
-        """(state, data_state) of `step` (default: latest), laid out as `shardings`."""
+        """(state, extra) of `step` (default: latest), laid out as `shardings`."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
@@ -65,10 +80,18 @@ class Checkpointer:
         out = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+                state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
             ),
         )
-        return out.state, dict(out.data or {})
+        self.restored_step = step
+        return out.state, dict(out.extra or {})
+
+    def restore_data(self, iterator, step: int | None = None):
+        """Moves a freshly built grain iterator to its checkpointed position (default: the
+        step `restore` read)."""
+        step = self.restored_step if step is None else step
+        args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator))
+        return self._manager.restore(step, args=args).data
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -85,11 +108,14 @@ class Checkpointer:
 
 
 class PreemptionGuard:
-    """Turns SIGTERM (and optionally SIGINT) into a flag the loop checks between steps.
+    """Turns SIGTERM (and optionally SIGINT) into a flag the loop checks between steps, on
+    single-process runs.
 
     The training loop then saves a checkpoint and returns normally instead of dying
-    mid-write. Outside the main thread signal handlers cannot be installed; the guard then
-    only honours `request_stop()`.
+    mid-write. Multi-process runs leave SIGTERM to JAX's preemption service (a Python
+    handler would replace its own), and outside the main thread no handler can be
+    installed; the guard then only honours `request_stop()`, which must then come at the
+    same step on every process.
     """
 
     def __init__(self, signals=(signal.SIGTERM,)):
@@ -107,7 +133,8 @@ class PreemptionGuard:
         self._stop.set()
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        if main and jax.process_count() == 1:
             for sig in self._signals:
                 self._previous[sig] = signal.signal(sig, self.request_stop)
         return self

@@ -122,7 +122,7 @@ def train_loop(
                 state, to_device(next(data_iter), trainer.data_sharding)
             )
             step += 1
-            if checkpointer.save(step, state, data_iter.get_state()):
+            if checkpointer.save(step, state, data_iter):
                 last_saved = step
             if step % cfg.log_every == 0 or step in (total_steps, start + 1):
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -133,11 +133,12 @@ def train_loop(
                     bar.restart_clock()  # tokens/s without compile time
                 scalars = {"train/loss": m["loss"], "train/lr": m["lr"]}
                 writer.write(step, scalars | {"train/grad_norm": m["grad_norm"]})
-            if guard.should_stop or (stop_at_step is not None and step >= stop_at_step):
+            preempted = guard.should_stop or checkpointer.reached_preemption(step)
+            if preempted or (stop_at_step is not None and step >= stop_at_step):
                 status = "stopped"
                 break
     if last_saved != step:
-        checkpointer.save(step, state, data_iter.get_state(), force=True)
+        checkpointer.save(step, state, data_iter, force=True)
     trainer.state = state
     return status, losses, tok_s
 
@@ -151,7 +152,6 @@ def run_pretrain(
     mesh: Mesh | None = None,
     stop_at_step: int | None = None,
     keep_checkpoints: bool = True,
-    data_backend: str = "auto",
     progress: bool = True,
     corpus: Corpus | None = None,
 ) -> dict:
@@ -186,14 +186,12 @@ def run_pretrain(
 
     mesh = mesh or make_mesh(data=-1)
     trainer = build_trainer(cfg, vocab, eos_id, mesh, total_steps)
-    data_iter = batch_iterator(
-        train_rows, global_batch=cfg.batch_size, seed=cfg.seed, backend=data_backend
-    )
+    data_iter = batch_iterator(train_rows, global_batch=cfg.batch_size, seed=cfg.seed)
     checkpointer = Checkpointer(ckpt_dir, save_every=cfg.save_every, keep=cfg.keep_checkpoints)
     if resume and checkpointer.latest_step() is not None:
         abstract = jax.eval_shape(lambda s: s, trainer.state)
-        trainer.state, data_state = checkpointer.restore(abstract, trainer.shardings)
-        data_iter.set_state(data_state)
+        trainer.state, _ = checkpointer.restore(abstract, trainer.shardings)
+        checkpointer.restore_data(data_iter)
         log.info("resumed from step %d", int(jax.device_get(trainer.state.step)))
 
     t0 = time.perf_counter()

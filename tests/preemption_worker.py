@@ -1,0 +1,76 @@
+"""One process of the two-process preemption check (launched by tests/test_preemption.py).
+
+    python tests/preemption_worker.py RUN_DIR PROCESS_ID PORT [--sigterm-at N]
+
+Runs `distill.loop.run_stage` with a trivial host-side step (no model: the step only counts
+and records the batch it got) over grain batches of this process, with orbax checkpoints
+in RUN_DIR/ckpt. With --sigterm-at N, process 1 alone sends itself SIGTERM after step N:
+JAX's preemption service must stop both processes at one agreed step, where orbax saves.
+Writes RUN_DIR/process<I>.json: {"stopped_at", "steps": {step: batch}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+TOTAL, SAVE_EVERY, BATCH = 40, 100, 4
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("process_id", type=int)
+    p.add_argument("port", type=int)
+    p.add_argument("--sigterm-at", type=int)
+    a = p.parse_args()
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=2, process_id=a.process_id)
+    import numpy as np
+
+    from adaflash_jax.data.loader import batch_iterator
+    from adaflash_jax.distill.loop import Preempted, StageRun, run_stage
+    from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
+    from adaflash_jax.train.state import TrainState
+
+    seen: dict[int, list[int]] = {}
+
+    def step_fn(state, batch):
+        seen[int(state.step) + 1] = batch["x"].tolist()
+        time.sleep(0.05)  # a step takes time: the SIGTERM lands between steps
+        return state.replace(step=state.step + 1), {"loss": np.float32(batch["x"].sum())}
+
+    def on_step(done):
+        if done == a.sigterm_at and a.process_id == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    source = [{"x": np.int64(i)} for i in range(10)]
+    it = batch_iterator(source, global_batch=BATCH, seed=3, process_index=a.process_id,
+                        process_count=2)  # fmt: skip
+    state = TrainState(step=np.int32(0), params={"w": np.zeros(3, np.float32)}, opt_state={},
+                       rng=np.zeros(2, np.uint32))  # fmt: skip
+    ckpt = Checkpointer(os.path.join(a.run_dir, "ckpt"), save_every=SAVE_EVERY)
+    if ckpt.latest_step() is not None:
+        mesh = jax.make_mesh((2,), ("data",))  # one device per process: replicated leaves
+        everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        restored, _ = ckpt.restore(state, jax.tree.map(lambda _: everywhere, state))
+        state = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), restored)
+        ckpt.restore_data(it)
+    run = StageRun(name="s", step_fn=step_fn, put=lambda b: b, batches=it, total_steps=TOTAL,
+                   tokens_per_step=1, log_every=1000, progress=False, on_step=on_step)  # fmt: skip
+    stopped = None
+    with ckpt, PreemptionGuard() as guard:
+        try:
+            run_stage(run, state, ckpt=ckpt, guard=guard)
+        except Preempted:
+            stopped = max(seen)
+    with open(os.path.join(a.run_dir, f"process{a.process_id}.json"), "w") as f:
+        json.dump({"stopped_at": stopped, "steps": seen}, f)
+
+
+if __name__ == "__main__":
+    main()
