@@ -68,6 +68,7 @@ def test_reference_recipe_is_the_reference():
         True,
     )
     assert cfg.draft.accept_dim == 0
+    assert (cfg.num_anchors, cfg.draft.block_size, cfg.seq_len) == (512, 16, 2048)
 
 
 def test_qwen3_8b_recipe_builds_abstractly():

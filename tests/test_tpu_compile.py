@@ -181,3 +181,45 @@ def test_cli_writes_the_report(tmp_path):
 def test_jax_backend_stays_cpu():
     # loading libtpu for deviceless compiles never initialises a TPU backend here
     assert jax.default_backend() == "cpu"
+
+
+@pytest.mark.parametrize("kind", ["stage1", "stage2", "head_init"])
+def test_loss_loop_flops_complete_the_compilers_count(kind):
+    """The compiler counts one chunk of the loss loop. With what `loop_flops_left_out` adds,
+    the work at 2 chunks and at 4 chunks is the same: only if its per-kind logits count per
+    position (body) is the one the compiled step really runs."""
+    import jax.numpy as jnp
+
+    from adaflash_jax.distill import losses
+    from adaflash_jax.drafter.config import DrafterConfig
+    from adaflash_jax.model.config import TargetConfig
+
+    b, n, k, d, v = 2, 8, 4, 256, 512
+    t_cfg = TargetConfig(
+        vocab_size=v, hidden_size=d, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    dc = DrafterConfig.for_target(t_cfg, mask_token_id=v - 1, num_layers=1, block_size=k)
+    hid = jax.ShapeDtypeStruct((b, n, k - 1, d), jnp.float32)
+    head = jax.ShapeDtypeStruct((d, v), jnp.float32)
+    labels = jax.ShapeDtypeStruct((b, n, k - 1), jnp.int32)
+
+    def counted(chunk):
+        def loss(h, head, labels, teacher):
+            st = losses.position_stats(h, head, labels, teacher, chunk=chunk)
+            return jnp.sum(st.ce) + (0.0 if st.kl is None else jnp.sum(st.kl))
+
+        teacher = hid if kind == "stage2" else None
+        fn = loss if kind == "head_init" else jax.value_and_grad(loss)  # as the step
+        return jax.jit(fn).lower(hid, head, labels, teacher).compile().cost_analysis()["flops"]
+
+    def total(chunk):
+        left = flops.loop_flops_left_out(
+            kind, t_cfg, dc, b, 1, n, loss_chunk=chunk, attention="dense", attention_chunk=1
+        )
+        return counted(chunk) + left, left
+
+    two, left_two = total(n // 2)
+    four, left_four = total(n // 4)
+    assert left_four == 1.5 * left_two > 0  # 3 quarter-bodies vs 1 half-body
+    assert four == pytest.approx(two, rel=0.03)

@@ -12,8 +12,9 @@ runs one step per iteration; XLA's cost analysis counts a while loop's body once
 figures are one step's (plus the loop's small prologue). For a per-width figure the loop is
 compiled with a single bucket W (`EngineSpec` then caps every verify at W): the serving engine
 picks among all buckets with a `lax.switch`, whose cost analysis cannot say which branch runs.
-The engine's own arrays (caches, outputs) are created unsharded by `init_state`, so they are
-lowered without a sharding and the compiler chooses their layout, as it does at run time.
+The decoders' rows (slots, regeneration's batch) are split over the rules' batch axes
+(`sharding.rows.RowLayout`), as the distill run lays them out: their state is lowered with
+that sharding and the programs constrain their fresh caches to it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from adaflash_jax.decode.programs import prefill_slots, run_loop
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import Rules
 
 
@@ -50,6 +52,12 @@ class Models:
     drafter: tuple
     target_module: nnx.Module  # abstract modules (ShapeDtypeStruct values)
     drafter_module: nnx.Module
+    mesh: Mesh
+    rules: Rules
+
+    def rows(self, n: int) -> RowLayout | None:
+        """How `n` decoding rows are split over the mesh (None: every chip holds all)."""
+        return RowLayout.of(self.mesh, self.rules, n)
 
     @property
     def target_bytes(self) -> int:
@@ -70,16 +78,20 @@ def models(target_cfg, drafter_cfg, mesh: Mesh, rules: Rules, *, dtype, drafter_
         drafter=drafter,
         target_module=nnx.merge(*target),
         drafter_module=nnx.merge(*drafter),
+        mesh=mesh,
+        rules=rules,
     )
 
 
 def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) -> Program:
     """The regeneration program (`generate_jit`, greedy): prefill + the decode while loop."""
     p = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
-    rows = lambda dtype: struct((batch,), dtype)  # noqa: E731
+    layout = m.rows(batch)
+    split = lambda ndim: None if layout is None else layout.sharding(ndim)  # noqa: E731
+    rows = lambda dtype: struct((batch,), dtype, split(1))  # noqa: E731
     args = (
         m.target,
-        struct((batch, p), jnp.int32),
+        struct((batch, p), jnp.int32, split(2)),
         rows(jnp.int32),
         rows(jnp.int32),
         rows(jnp.float32),
@@ -92,6 +104,7 @@ def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) ->
         eos_ids=tuple(m.target_cfg.eos_token_ids) or (0,),
         greedy=True,
         nucleus=False,
+        rows=layout,
     )
     return Program(
         name="generate",
@@ -117,12 +130,23 @@ def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: b
         buckets=DEFAULT_BUCKETS,
         temperature=temperature,
         eos_ids=(0,),
+        rows=m.rows(slots),
     )
+
+
+def _engine_state(engine):
+    """The engine's abstract state, lowered in its row layout."""
+    state = jax.eval_shape(lambda: engine.init_state(0))
+    layout = engine.spec.rows
+    if layout is None:
+        return state
+    shardings = layout.shardings(state, engine.slots)
+    return jax.tree.map(lambda x, sh: struct(x.shape, x.dtype, sh), state, shardings)
 
 
 def _loop_program(m: Models, engine, spec, name: str, width: int) -> Program:
     drafted = engine.drafter is not None
-    state = jax.eval_shape(lambda: engine.init_state(0))
+    state = _engine_state(engine)
     args = (
         m.target,
         m.drafter if drafted else None,
@@ -163,9 +187,12 @@ def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) ->
     padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""
     engine = _engine(m, slots, capacity, 0.0, drafted=True)
     p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
-    state = jax.eval_shape(lambda: engine.init_state(0))
-    rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
-    args = (m.target, m.drafter, state, rows(), struct((slots, p), jnp.int32), rows(), rows())
+    state = _engine_state(engine)
+    layout = engine.spec.rows
+    split = lambda ndim: None if layout is None else layout.sharding(ndim)  # noqa: E731
+    rows = lambda: struct((slots,), jnp.int32, split(1))  # noqa: E731
+    prompts = struct((slots, p), jnp.int32, split(2))
+    args = (m.target, m.drafter, state, rows(), prompts, rows(), rows())
     return Program(
         name=f"prefill B={slots}",
         kind="decode",
@@ -195,7 +222,13 @@ _draft_jit = jax.jit(_draft, static_argnames=("tdef", "ddef"))
 def draft_program(m: Models, *, slots: int, capacity: int) -> Program:
     """`Drafter.draft`: one block forward after each row's bonus token."""
     cache = jax.eval_shape(lambda: m.drafter_module.init_context_cache(slots, capacity))
-    args = (*m.target, *m.drafter, cache, struct((slots,), jnp.int32))
+    bonus = struct((slots,), jnp.int32)
+    layout = m.rows(slots)
+    if layout is not None:
+        place = lambda x, sh: struct(x.shape, x.dtype, sh)  # noqa: E731
+        cache = jax.tree.map(place, cache, layout.shardings(cache, slots))
+        bonus = struct((slots,), jnp.int32, layout.sharding(1))
+    args = (*m.target, *m.drafter, cache, bonus)
     return Program(
         name=f"draft B={slots}",
         kind="decode",

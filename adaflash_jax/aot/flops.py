@@ -8,7 +8,7 @@ What counts as useful (a multiply-add is 2 FLOPs):
 - target forward over all B·S tokens: every layer's matmuls (2 · layer matmul weights per
   token) and causal attention (QKᵀ and PV over the S·(S+1)/2 visible pairs: 4·H·Dh per pair);
   no LM head over the sequence (the step never computes those logits);
-- teacher logits (head init, stage 2): 2·D·V at each of the B·N·P label positions;
+- teacher logits (stage 2): 2·D·V at each of the B·N·P label positions;
 - drafter forward: the feature projection (2·nD·D per context token), every layer's context
   keys/values (2·D·2·Kv·Dh per context token), its matmuls over the B·N·K block tokens, and
   attention over the keys a block may see: the context before its anchor — taken as S/2 on
@@ -66,8 +66,45 @@ def train_step(kind: str, t: TargetConfig, dc: DrafterConfig, b: int, s: int, n:
     total = target_forward(t, b, s)
     if kind == "stage1":
         return total + 3 * drafter_forward(dc, b, s, n) + 2 * lm
-    if kind == "head_init":
-        return total + lm + drafter_forward(dc, b, s, n) + lm
+    if kind == "head_init":  # the drafter's forward and logits, no teacher logits
+        return total + drafter_forward(dc, b, s, n) + lm
     if kind == "stage2":
         return total + lm + 3 * drafter_forward(dc, b, s, n) + 2 * lm
     raise ValueError(f"unknown step kind {kind!r}")
+
+
+# FLOPs per label position of one loss chunk (`losses.position_stats`, logits 2·D·V each):
+# stage 1 computes the student's logits, recomputes them in the backward (jax.checkpoint)
+# and back-propagates to the hidden state: 3 × 2DV; stage 2 adds the teacher's logits to the
+# forward and to the recomputation: 5 × 2DV; head init runs it forward only: 1 × 2DV.
+_LOSS_CHUNK_LOGITS = {"stage1": 3, "stage2": 5, "head_init": 1}
+
+
+def loop_flops_left_out(
+    kind: str, t: TargetConfig, dc: DrafterConfig, b: int, s: int, n: int, *,
+    loss_chunk: int, attention: str, attention_chunk: int,
+) -> float:  # fmt: skip
+    """FLOPs of one train step (whole batch) that XLA's cost analysis does not count.
+
+    The cost analysis counts a loop's body once. Two loops of the step repeat real work: the
+    loss over `loss_chunk` blocks at a time (`lax.map`: ⌈N / chunk⌉ iterations) and, with
+    the sparse training attention, each drafter layer's block → context attention over
+    `attention_chunk` keys at a time (`train_attention.flops_left_out`). This returns every
+    iteration but the counted one, so the compiler's FLOPs plus this is the step's matmul work.
+    """
+    from adaflash_jax.drafter.train_attention import flops_left_out
+
+    if kind not in _LOSS_CHUNK_LOGITS:
+        raise ValueError(f"unknown step kind {kind!r}")
+    out = 0.0
+    if 0 < loss_chunk < n:
+        iterations = -(-n // loss_chunk)
+        per_chunk = logits(t.hidden_size, t.vocab_size, b * loss_chunk * (dc.block_size - 1))
+        out += (iterations - 1) * _LOSS_CHUNK_LOGITS[kind] * per_chunk
+    if attention == "sparse":
+        per_layer = flops_left_out(
+            b, n * dc.block_size, s, dc.num_attention_heads, dc.head_dim, attention_chunk,
+            backward=kind != "head_init",
+        )  # fmt: skip
+        out += dc.num_hidden_layers * per_layer
+    return float(out)

@@ -22,6 +22,7 @@ class Program:
     args: tuple
     static: dict = dataclasses.field(default_factory=dict)
     useful_flops: float = 0.0  # train: useful model FLOPs of one call, whole batch (flops.py)
+    loop_flops: float = 0.0  # FLOPs the cost analysis leaves out (loop bodies counted once)
     tokens: int = 0  # train: tokens one step trains on (batch × sequence)
     weight_bytes: int = 0  # decode: weight bytes per chip one call must read
     rows: int = 0  # decode: rows (slots) per call

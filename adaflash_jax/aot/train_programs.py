@@ -108,6 +108,17 @@ def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None) -> list[Program]:
                 fn=fn,
                 args=(abstract_with_shardings(abstract, shardings), batch),
                 useful_flops=flops.train_step(kind, target, dcfg, b, s, n),
+                loop_flops=flops.loop_flops_left_out(
+                    kind,
+                    target,
+                    dcfg,
+                    b,
+                    s,
+                    n,
+                    loss_chunk=cfg.loss_chunk,
+                    attention=cfg.train_attention,
+                    attention_chunk=cfg.attention_chunk,
+                ),  # fmt: skip
                 tokens=b * s,
                 notes=(f"batch {b} x seq {s}, {n} anchors x block {dcfg.block_size}",),
             )

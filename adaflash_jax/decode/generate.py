@@ -30,6 +30,7 @@ from adaflash_jax.decode.tokens import append_tokens, pick_tokens
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.target import TargetLM
+from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 PROMPT_BUCKET = 16  # prompts pad to a multiple of this, so nearby lengths share a program
 
@@ -62,7 +63,8 @@ def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_E) -> DecodeState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "capacity", "eos_ids", "greedy", "nucleus")
+    jax.jit,
+    static_argnames=("max_new_tokens", "capacity", "eos_ids", "greedy", "nucleus", "rows"),
 )
 def generate_jit(
     target: tuple[nnx.GraphDef, nnx.State],
@@ -78,17 +80,20 @@ def generate_jit(
     eos_ids: tuple[int, ...],
     greedy: bool,
     nucleus: bool = True,
+    rows: RowLayout | None = None,
 ) -> DecodeState:
-    """Prefill + while_loop decode; returns the final state (inputs validated by `generate`)."""
+    """Prefill + while_loop decode; returns the final state (inputs validated by `generate`).
+    With `rows` the batch (prompts, cache, outputs) is split over those mesh axes."""
     model = nnx.merge(*target)
     b = prompt_BxQ.shape[0]
+    prompt_BxQ = constrain_rows(rows, prompt_BxQ, b)
     rows_B = jnp.arange(b)
     eos_E = jnp.asarray(eos_ids or (-1,), jnp.int32)
     top_p = top_p_B if nucleus else None  # None: no vocabulary sort when no row filters
 
     out = model(
         prompt_BxQ,
-        cache=model.init_cache(b, capacity),
+        cache=constrain_rows(rows, model.init_cache(b, capacity), b),
         num_new_B=prompt_len_B,
         compute_logits=False,
     )
@@ -103,7 +108,7 @@ def generate_jit(
         done_B=jnp.zeros((b,), bool),
         rng=rng,
     )
-    s = _commit(s, first_B, jnp.ones((b,), bool), max_new_B, eos_E)
+    s = constrain_rows(rows, _commit(s, first_B, jnp.ones((b,), bool), max_new_B, eos_E), b)
 
     def step(s: DecodeState) -> DecodeState:
         active_B = ~s.done_B
@@ -112,7 +117,7 @@ def generate_jit(
         rng, key = jax.random.split(s.rng)
         tok_B = pick_tokens(key, out.logits_BxTxV[:, 0], temperature_B, top_p, greedy=greedy)
         s = s.replace(cache=out.cache, rng=rng)
-        return _commit(s, tok_B, active_B, max_new_B, eos_E)
+        return constrain_rows(rows, _commit(s, tok_B, active_B, max_new_B, eos_E), b)
 
     return jax.lax.while_loop(lambda s: jnp.any(~s.done_B), step, s)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from adaflash_jax.decode.state import SpecState
 from adaflash_jax.decode.step import commit_tokens, decode_loop
 from adaflash_jax.decode.tokens import pick_tokens
+from adaflash_jax.sharding.rows import constrain_rows
 
 
 def _merge(model):
@@ -32,7 +33,10 @@ def run_loop(target, drafter, s: SpecState, stop_on_finish, max_steps, *, spec, 
     `stop_on_finish`) a slot finished, or the policy wants another program. Returns (state,
     steps run, slots finished, the program to run next)."""
     run = (spec.policy.programs or (decode_loop,))[program]
-    return run(_merge(target), _merge(drafter), s, spec, stop_on_finish, max_steps)
+    b = s.done_B.shape[0]
+    s = constrain_rows(spec.rows, s, b)
+    s, *rest = run(_merge(target), _merge(drafter), s, spec, stop_on_finish, max_steps)
+    return constrain_rows(spec.rows, s, b), *rest
 
 
 def _scatter_rows(dst, src, slots_I):
@@ -50,9 +54,12 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
     Pass `spec.prefill_spec`: engines that differ only in policy share this program."""
     target, drafter = _merge(target), _merge(drafter)
     n, capacity = prompt_IxQ.shape[0], s.target_cache.capacity
+    s = constrain_rows(spec.rows, s, s.done_B.shape[0])
+    prompt_IxQ = constrain_rows(spec.rows, prompt_IxQ, n)
+    fresh = target.init_cache(n, capacity, dtype=s.target_cache.k[0].dtype)
     out = target(
         prompt_IxQ,
-        cache=target.init_cache(n, capacity, dtype=s.target_cache.k[0].dtype),
+        cache=constrain_rows(spec.rows, fresh, n),
         num_new_B=prompt_len_I,
         feature_layers=spec.feature_layers if drafter is not None else (),
         compute_logits=False,
@@ -64,6 +71,7 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
     ctx = s.context_cache
     if drafter is not None:
         fresh = drafter.init_context_cache(n, capacity, dtype=ctx.k[0].dtype)
+        fresh = constrain_rows(spec.rows, fresh, n)
         entries = drafter.context_entries(fresh, out.features_BxTxnD)
         ctx = _scatter_rows(ctx, fresh.write(*entries, advance=prompt_len_I), slots_I)
     blank_IxS = jnp.full((n, s.out_BxS.shape[1]), -1, jnp.int32)
@@ -88,7 +96,8 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
         rng=rng,
     )
     started_B = _scatter_rows(jnp.zeros_like(s.done_B), true_I, slots_I)
-    return commit_tokens(s, s.bonus_B[:, None], jnp.ones_like(s.num_out_B), started_B)
+    s = commit_tokens(s, s.bonus_B[:, None], jnp.ones_like(s.num_out_B), started_B)
+    return constrain_rows(spec.rows, s, s.done_B.shape[0])
 
 
 def compiled_programs() -> dict[str, int]:

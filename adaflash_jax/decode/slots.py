@@ -31,6 +31,7 @@ from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError
 from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set, init_state, policy_slots
 from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
+from adaflash_jax.sharding.rows import RowLayout, fetch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 NO_LIMIT = 2**30
@@ -74,7 +75,8 @@ def _pow2_at_least(n: int, cap: int) -> int:
 
 class SpeculativeEngine:
     """Speculative (or, with `drafter=None`, plain) decoding over `slots` continuous-batching
-    slots. One compiled loop program per (slots, bucket set, policy, sampling mode)."""
+    slots. One compiled loop program per (slots, bucket set, policy, sampling mode). With
+    `rows` the slots' state is split over those mesh axes (`sharding.rows`)."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class SpeculativeEngine:
         seed: int = 0,
         eos_ids: Sequence[int] | None = None,
         acceptance: Callable | None = None,
+        rows: RowLayout | None = None,
     ):
         cfg = target.config
         if slots < 1:
@@ -135,6 +138,7 @@ class SpeculativeEngine:
             feature_layers=() if drafter is None else tuple(drafter.config.target_layer_ids),
             policy=policy,
             acceptance=acceptance,
+            rows=rows,
         )
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
@@ -165,7 +169,7 @@ class SpeculativeEngine:
         """A fresh state; the policy's starts from what the latest `generate` ended with
         (`learnt`: a policy that adapts across calls keeps what it learnt)."""
         slots = policy_slots(self.target, self.drafter, self.slots)
-        return init_state(
+        state = init_state(
             self.target,
             self.drafter,
             self.policy.init(slots, self.learnt),
@@ -176,6 +180,7 @@ class SpeculativeEngine:
             top_p=self.top_p,
             seed=seed,
         )
+        return state if self.spec.rows is None else self.spec.rows.place(state, self.slots)
 
     def forget(self) -> None:
         """Forgets what earlier `generate` calls taught the policy."""
@@ -212,7 +217,7 @@ class SpeculativeEngine:
                 spec=self.spec,
                 program=self._program,
             )
-            steps, finished, nxt, done_B = jax.device_get((steps, finished, nxt, state.done_B))
+            steps, finished, nxt, done_B = fetch((steps, finished, nxt, state.done_B))
             total, calls = total + int(steps), calls + 1
             stopped = (stop_on_finish and finished > 0) or bool(np.all(done_B))
             if int(nxt) == self._program or stopped or total >= max_steps:
@@ -252,12 +257,12 @@ class SpeculativeEngine:
         self.last_run = {
             "loop_steps": loop_steps,
             "device_loops": calls,
-            "probes": int(jax.device_get(state.probes)),  # drafter forwards, no verify
+            "probes": int(fetch(state.probes)),  # drafter forwards, no verify
         }
         return results
 
     def _harvest(self, state, slots, owner, results):
-        out, n_out, acc, width, req, steps = jax.device_get(
+        out, n_out, acc, width, req, steps = fetch(
             (
                 state.out_BxS,
                 state.num_out_B,

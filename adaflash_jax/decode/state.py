@@ -24,6 +24,7 @@ from flax import struct
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, Slots
 from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.sharding.rows import RowLayout
 
 
 @struct.dataclass
@@ -59,6 +60,7 @@ class EngineSpec:
     feature_layers: tuple[int, ...]
     policy: LengthPolicy = FixedPolicy()
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
+    rows: RowLayout | None = None  # slots split over mesh axes (None: every chip holds all)
 
     def __post_init__(self):
         # A serving engine's buckets end at K (`bucket_set`); a spec whose largest bucket W

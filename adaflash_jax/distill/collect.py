@@ -185,6 +185,7 @@ def engine_collect(
     temperature: float = 0.0,
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
+    rows=None,
 ) -> tuple[list[list[int]], list[Trajectory]]:
     """Real speculative decoding (full block every step) → (responses, trajectories).
 
@@ -204,6 +205,7 @@ def engine_collect(
         temperature=temperature,
         seed=seed,
         eos_ids=eos_ids,
+        rows=rows,
     )
     results = engine.generate([(p, max_new_tokens) for p in prompt_ids])
     responses, trajectories = [], []

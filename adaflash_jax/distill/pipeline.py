@@ -37,6 +37,7 @@ from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate, stage1_lo
 from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded
 from adaflash_jax.io import fs
 from adaflash_jax.model.checkpoint import load_target
+from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import PreemptionGuard
 from adaflash_jax.train.tensorboard import ScalarWriter, read_scalars
@@ -69,7 +70,7 @@ def _encode(ctx: Context, prompts) -> list[list[int]]:
     )
 
 
-def _regenerated(ctx: Context, target_split, split: str, ids, prompts) -> SequenceData:
+def _regenerated(ctx: Context, target_split, split: str, ids, prompts, rows) -> SequenceData:
     cfg = ctx.cfg
     return regenerate_dataset(
         f"{cfg.data.regen_dir or ctx.path('data')}/{split}",
@@ -84,17 +85,19 @@ def _regenerated(ctx: Context, target_split, split: str, ids, prompts) -> Sequen
         eos_ids=ctx.eos_ids,
         pad_id=ctx.pad_id,
         progress=ctx.progress,
+        rows=rows,
     )
 
 
-def _datasets(ctx: Context, target_split) -> Datasets:
+def _datasets(ctx: Context, target_split, mesh) -> Datasets:
     """Train and eval sets regenerated (or reused), and the stage-2 pool: the "fresh" pool's
     target responses are regenerated once for the replay collector (greedy, so they are
     exactly what every round's speculative decoding commits); the engine collector decodes
     the prompts itself each round."""
     train_ids, eval_ids = _encode(ctx, ctx.train_prompts), _encode(ctx, ctx.eval_prompts)
-    train = _regenerated(ctx, target_split, "train", train_ids, ctx.train_prompts)
-    evals = _regenerated(ctx, target_split, "eval", eval_ids, ctx.eval_prompts)
+    rows = RowLayout.of(mesh, TRAIN_RULES, ctx.cfg.data.regen_batch)  # batch split over chips
+    train = _regenerated(ctx, target_split, "train", train_ids, ctx.train_prompts, rows)
+    evals = _regenerated(ctx, target_split, "eval", eval_ids, ctx.eval_prompts, rows)
     pool = None
     if ctx.cfg.stage2.pool == "stage1":
         pool = Stage2Pool.of(train, train_ids)
@@ -102,7 +105,7 @@ def _datasets(ctx: Context, target_split) -> Datasets:
         ids = _encode(ctx, ctx.stage2_prompts)
         if ctx.cfg.stage2.collector == "replay":
             pool = Stage2Pool.of(
-                _regenerated(ctx, target_split, "stage2", ids, ctx.stage2_prompts), ids
+                _regenerated(ctx, target_split, "stage2", ids, ctx.stage2_prompts, rows), ids
             )
         else:
             names = [p.domain for p in ctx.stage2_prompts]
@@ -147,7 +150,7 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     target = load_target(ctx.target_dir, dtype=dtype, mesh=mesh, rules=TRAIN_RULES)
     target_split = nnx.split(target, nnx.Param)
     del target
-    data = _datasets(ctx, target_split)
+    data = _datasets(ctx, target_split, mesh)
     t = mark("regenerate", t)
 
     dc = ctx.drafter_cfg

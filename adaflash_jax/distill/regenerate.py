@@ -23,6 +23,7 @@ import numpy as np
 
 from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit, prepare_batch
 from adaflash_jax.distill.batches import SequenceData
+from adaflash_jax.sharding.rows import RowLayout, fetch
 
 
 def fingerprint(target_id: str, prompt_ids: Sequence[Sequence[int]], **knobs) -> str:
@@ -42,6 +43,7 @@ def generate_greedy(
     batch_size: int,
     eos_ids: Sequence[int],
     progress: bool = True,
+    rows: RowLayout | None = None,
 ) -> list[list[int]]:
     """Greedy responses (EOS included when reached), one compiled program for all batches."""
     from tqdm.auto import tqdm
@@ -69,8 +71,9 @@ def generate_greedy(
             *prepared.arrays[1:],
             jax.random.key(0),
             **prepared.static,
+            rows=rows,
         )
-        tokens_BxT, num_B = jax.device_get((final.tokens_BxT, final.num_out_B))
+        tokens_BxT, num_B = fetch((final.tokens_BxT, final.num_out_B))
         out.extend(tokens_BxT[i, : num_B[i]].tolist() for i in range(real))
     return out
 
@@ -116,6 +119,7 @@ def regenerate_dataset(
     eos_ids: Sequence[int],
     pad_id: int,
     progress: bool = True,
+    rows: RowLayout | None = None,
 ) -> SequenceData:
     """Loads the dataset at `path` if its fingerprint matches, else regenerates and saves it.
 
@@ -135,6 +139,7 @@ def regenerate_dataset(
         batch_size=batch_size,
         eos_ids=eos_ids,
         progress=progress,
+        rows=rows,
     )
     data = build_sequences(
         prompt_ids,

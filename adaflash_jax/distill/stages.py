@@ -28,6 +28,7 @@ from adaflash_jax.distill.context import Context
 from adaflash_jax.distill.loop import StageRun, restore_or_start, run_stage
 from adaflash_jax.distill.regenerate import build_sequences
 from adaflash_jax.distill.state import new_train_state
+from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import Checkpointer
 from adaflash_jax.train.optimizer import OptimizerConfig
@@ -306,15 +307,17 @@ class Trainer:
         target = nnx.merge(self.t_graph, self.frozen)
         drafter = nnx.merge(self.d_graph, params)
         temp = s2.collect_temperature if temperature is None else temperature
+        slots = slots or s2.collect_slots
         responses, trajs = collect.engine_collect(
             target,
             drafter,
             prompt_ids,
             max_new_tokens=self.cfg.data.max_new_tokens,
-            slots=slots or s2.collect_slots,
+            slots=slots,
             temperature=temp,
             seed=self.cfg.seed,
             eos_ids=self.ctx.eos_ids,
+            rows=RowLayout.of(self.mesh, TRAIN_RULES, slots),  # slots split over chips
         )
         sub = build_sequences(
             prompt_ids,

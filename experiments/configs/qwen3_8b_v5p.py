@@ -13,9 +13,14 @@ round at a global batch of 4, `TRAIN_BUFFER_EPOCHS=2`); 10 rounds see 25,600 pro
 reference run starts stage 2 from a published DFlash drafter: `--init-drafter DIR` (stage 1
 is then skipped; the length head starts fresh).
 
+Anchors: 512 per sequence in stages 1 and 2, as the reference. They fit a v5p chip through the
+block-sparse training attention (`train_attention="sparse"`, 512 context keys at a time) and
+the chunked losses (`loss_chunk=32` blocks: one chunk's [2, 32, 15, V] logits live at once);
+the compiled table is in BENCHMARKS.md §5.
+
 The KL clip in nats (losses.py): τ·Nw per sequence, Nw = Σ decay weights of its blocks
-(6.63 per full K = 16 block). At 64 anchors a full sequence caps a position's KL at 4.2 nats;
-the reference's 512 anchors give 34 nats (a response with 185 admissible anchors: 12).
+(6.63 per full K = 16 block). 512 anchors cap a position's KL at 34 nats in a full sequence
+(a response with 185 admissible anchors: 12); `--set num_anchors=64` gives 4.2 nats.
 
 Mesh: weights FSDP-sharded over 8 chips, the rest data parallel (-1 fills: a v5p-64 slice
 has 32 chips → (4, 8, 1)). Check a slice with
@@ -43,7 +48,10 @@ def get_config() -> RunConfig:
         mesh=(-1, 8, 1),
         batch_size=64,
         seq_len=2048,
-        num_anchors=64,
+        num_anchors=512,
+        loss_chunk=32,
+        train_attention="sparse",
+        attention_chunk=512,
         compute_dtype="bfloat16",
         data=DataSpec(
             train_prompts="data/prompts_train.jsonl",
