@@ -11,7 +11,7 @@ Slots mode: plain vs speculative decoding through the same continuous-batching e
 slot count (tokens/s, τ, ratio measured in the same run; default: random tiny target with an
 untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal).
 Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
-the weight-read floor (goal <= 1.5x), the verify table per batch and width (DESIGN §7) and,
+the weight-read floor (goal <= 1.5x), the verify table per batch and width (docs/design.md §7) and,
 with --draft-layers, the drafter block forward per batch; --cost-table writes them as a
 verify-cost table for the goodput policy and experiments.project_throughput.
 """

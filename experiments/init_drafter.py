@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-features", type=int, default=5, help="target layers to read")
-    p.add_argument("--target-layer-ids", default=None, help="comma list; default: DESIGN §2")
+    p.add_argument("--target-layer-ids", default=None, help="comma list, default docs/design.md §2")
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--no-length-head", action="store_true")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")

@@ -11,7 +11,7 @@ A TPU cost table comes from `python -m experiments.tpu_compile --serve --cost-ta
 (compiler estimates of the engine's plain, draft and verify steps; the header says so).
 
 Default costs: the H200 Qwen3-8B-shape forward timings in benchmarks/h200/ (default XLA
-flags) and DESIGN §7's draft cost. See adaflash_jax/bench/projection.py for the model.
+flags) and docs/design.md §7's draft cost. See adaflash_jax/bench/projection.py for the model.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--cost", action="append", default=[], help="cost JSON (repeatable, merged)")
     p.add_argument("--cost-from-traces", action="store_true", help="the bench's own calibration")
     p.add_argument("--draft-ms", help="BATCH:MS pairs, e.g. 1:2.6,128:16 (overrides the files)")
-    p.add_argument("--context", type=int, default=1024, help="for DESIGN-style forward JSON")
+    p.add_argument("--context", type=int, default=1024, help="forward JSON as docs/design.md §7")
     p.add_argument("--concurrency", help="comma list (default: the cost rows)")
     p.add_argument("--threshold", type=int, default=48, help="adaflash rule threshold")
     p.add_argument("--domain", help="only this domain's traces (default: all pooled)")

@@ -53,7 +53,7 @@ def _step(tg, tp, dg, dp, tcache, dcache, bonus_1):
 
 
 def _speculative(target, drafter, prompt):
-    """Reference serving loop (DESIGN §5), greedy, one row: step by step with caches."""
+    """Reference serving loop (docs/design.md §5), greedy, one row: step by step with caches."""
     tg, tp = nnx.split(target)
     dg, dp = nnx.split(drafter)
     padded = jnp.zeros((1, 8), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))

@@ -1,4 +1,4 @@
-"""Drafter export format (DESIGN §6): round trip, published-checkpoint import, bad input."""
+"""Drafter export format (docs/design.md §6): round trip, published-checkpoint import, bad input."""
 
 import json
 import os
@@ -99,7 +99,7 @@ def test_config_dtype_names_the_stored_dtype(tmp_path):
 
 
 def test_missing_target_layer_ids_take_the_format_default(tmp_path):
-    """DFlash's rule: one target layer per drafter layer, spread as DESIGN §2 says."""
+    """DFlash's rule: one target layer per drafter layer, spread as docs/design.md §2 says."""
     published = {
         "block_size": 16,
         "dflash_config": {"mask_token_id": 500},

@@ -109,7 +109,7 @@ def test_cost_fill_rules_and_errors(tmp_path):
     assert model.draft(4.5) == pytest.approx(1.5)
     with pytest.raises(cm.CostError, match="outside the measured rows"):
         model.verify(16, 1)
-    design = cm.build(m, (1, 2, 4))  # no draft measured: DESIGN §7
+    design = cm.build(m, (1, 2, 4))  # no draft measured: docs/design.md §7
     assert design.draft(1) == pytest.approx(2.613)
     with pytest.raises(cm.CostError, match="cannot fill"):
         cm.build(cm.Measurements(verify={(1, 1): 1.0, (2, 2): 2.0}), (1, 2))

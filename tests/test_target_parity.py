@@ -21,7 +21,7 @@ from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
 
 V = 256
 # Three layers: layers 0 and 1 are plain layer outputs; HF's LAST hidden_states entry is after
-# the final norm, and so is our feature of layer 2 (DESIGN §2).
+# the final norm, and so is our feature of layer 2 (docs/design.md §2).
 COMMON = dict(
     vocab_size=V,
     hidden_size=64,

@@ -1,4 +1,4 @@
-"""A second implementation of the exported drafter, in PyTorch, written from DESIGN §3, §4.3
+"""A second implementation of the exported drafter, in PyTorch, written from docs/design.md §3, §4.3
 and §6 only (never from our JAX code), for the equivalence tests.
 
 Dimensions: B batch, C context tokens (committed, with target features), K block size,
@@ -170,7 +170,8 @@ def target_features(hidden_states, layer_ids):
 
 @torch.no_grad()
 def greedy_speculative(target, drafter, prompt, max_new_tokens):
-    """Greedy speculative decoding of one prompt, whole block verified every step (DESIGN §5).
+    """Greedy speculative decoding of one prompt, whole block verified every step
+    (docs/design.md §5).
 
     Returns (generated tokens, accepted drafts per verify step). The target reruns the whole
     sequence each step (no cache), so the context features come from a different path than

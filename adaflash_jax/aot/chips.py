@@ -7,7 +7,7 @@ Source: Google's TPU architecture pages, key-specification tables (checked 2026)
   2 TensorCores per chip (accelerator types count cores: v5p-64 = 32 chips); 4 chips per host.
   The page notes the 95 is GiB the runtime leaves to programs (96 GiB physical).
 - v6e: https://cloud.google.com/tpu/docs/v6e — 918 bf16 TFLOP/s, 32 GB HBM at 1,638 GB/s
-  (older copies of the page and DESIGN §7b round it to 1,640); 8 chips per host.
+  (older copies of the page round it to 1,640); 8 chips per host.
 
 HBM sizes are read as GiB (as the compiler counts them: it reports 95.74 GiB available on a
 v5p chip); bandwidths and peaks are decimal (GB/s = 1e9 B/s, TFLOP/s = 1e12 FLOP/s).

@@ -5,7 +5,7 @@ Accepted JSON inputs (several may be merged; a later file's cell replaces an ear
 - a verify-cost table (`adaflash_jax.verify_cost/1`: rows × widths, draft_ms per row);
 - `experiments.benchmark_forward` / `benchmark_decode --shape` output: {"rows": [{batch,
   width, median_ms}], optional "draft_rows": [{batch, median_ms}]};
-- DESIGN §7's naive-forward JSON: {"target_forward_ms": [{B, T, ctx, ms}],
+- docs/design.md §7's naive-forward JSON: {"target_forward_ms": [{B, T, ctx, ms}],
   "drafter_forward_ms": [...]} at one context length.
 
 Filling a missing (B, W): inside row B's measured widths, linear in W between the nearest
@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-# DESIGN §7: a 5-layer DFlash-shaped drafter (Qwen3-8B widths) over 16 block tokens, context
+# docs/design.md §7: a 5-layer DFlash-shaped drafter (Qwen3-8B widths) over 16 block tokens, context
 # 1024, one H200, naive jnp forward; median ms per batch size.
 DESIGN_DRAFT_MS = {1: 2.613, 8: 3.012, 32: 5.364, 64: 8.829, 128: 16.148}
 
@@ -133,7 +133,7 @@ def build(m: Measurements, widths, *, draft_ms: dict[int, float] | None = None) 
     draft = dict(draft_ms) if draft_ms is not None else dict(m.draft)
     if not draft:
         draft = dict(DESIGN_DRAFT_MS)
-        notes.append("draft cost: DESIGN §7 (5-layer drafter, 16 tokens, Qwen3-8B widths, H200)")
+        notes.append("draft cost: docs/design.md §7 (5 layers, 16 tokens, Qwen3-8B widths, H200)")
     d_rows = tuple(sorted(draft))
     return CostModel(
         rows=rows,

@@ -115,7 +115,7 @@ def cost_table(rows, draft_rows, *, device: str, model: str) -> VerifyCostTable 
 
 
 def markdown_grid(rows, floor: float | None = None) -> str:
-    """DESIGN §7-style table: batch rows × width columns, median ms."""
+    """docs/design.md §7-style table: batch rows × width columns, median ms."""
     batches = sorted({r["batch"] for r in rows})
     widths = sorted({r["width"] for r in rows})
     cells = {(r["batch"], r["width"]): r["median_ms"] for r in rows}

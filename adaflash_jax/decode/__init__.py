@@ -1,4 +1,4 @@
-"""Decoding: plain batched generation, and the speculative engine (DESIGN §5).
+"""Decoding: plain batched generation, and the speculative engine (docs/design.md §5).
 
 Engine, outside in: `slots.py` (host scheduler, `SpeculativeEngine`), `programs.py` (the
 jitted entry points), `step.py` (one step, the drafted loop), `drafting.py` / `verify.py` /

@@ -1,4 +1,4 @@
-"""Lossless acceptance of a drafted block against the target's verify logits (DESIGN §5).
+"""Lossless acceptance of a drafted block against the target's verify logits (docs/design.md §5).
 
 Dimensions: B rows, K block size (verify positions: the bonus token + K−1 drafts), V vocab.
 

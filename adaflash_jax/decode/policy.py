@@ -1,4 +1,4 @@
-"""Length policies: how many drafted tokens each row verifies (DESIGN §4.3, §5).
+"""Length policies: how many drafted tokens each row verifies (docs/design.md §4.3, §5).
 
 Dimensions: B slots, K block size, V vocab, nD target features per committed token.
 

@@ -1,4 +1,4 @@
-"""The speculative engine's state and static spec (DESIGN §5, §8).
+"""The speculative engine's state and static spec (docs/design.md §5, §8).
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
 eos ids, K block size, W verify width (a bucket).

@@ -1,4 +1,4 @@
-"""One engine step for all slots, and the engine's drafted loop program (DESIGN §5).
+"""One engine step for all slots, and the engine's drafted loop program (docs/design.md §5).
 
 Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
 

@@ -1,4 +1,4 @@
-"""Where training blocks start (anchors) and what each block position learns (DESIGN §4.1).
+"""Where training blocks start (anchors) and what each block position learns (docs/design.md §4.1).
 
 Dimensions: B batch, S sequence length, N anchors per sequence, K block size, P = K−1.
 

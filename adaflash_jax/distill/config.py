@@ -80,7 +80,7 @@ class DraftSpec:
     layers: int = 5
     block_size: int = 16
     num_features: int = 5
-    target_layer_ids: tuple[int, ...] | None = None  # None → DESIGN §2 defaults
+    target_layer_ids: tuple[int, ...] | None = None  # None → docs/design.md §2 defaults
     mask_token_id: int | None = None  # None → the tokenizer's mask token
     init_from: str | None = None  # skips stage 1; a missing length head starts fresh
     # Width of the length head's per-position acceptance network (0: none). With init_from
@@ -145,7 +145,7 @@ class HeadInitSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage2Spec:
-    """On-policy rounds (DESIGN §4.2): each round takes `prompts_per_round` NEW prompts from
+    """On-policy rounds (docs/design.md §4.2): each round takes `prompts_per_round` NEW prompts from
     the stage-2 pool, collects them with the current drafter, trains `steps_per_round` on
     that buffer (about steps·batch/prompts epochs), then drops it.
 

@@ -1,4 +1,4 @@
-"""Training losses and metrics of DFlash stage 1 and AdaFlash stage 2 (DESIGN §4).
+"""Training losses and metrics of DFlash stage 1 and AdaFlash stage 2 (docs/design.md §4).
 
 Dimensions: B batch, N blocks (anchors) per sequence, P = K−1 predicted positions per block
 (block position k = 1..K−1 predicts the token at anchor + k), D model, V vocab, C blocks per
@@ -12,7 +12,7 @@ combine [B, N, P] arrays.
 
 Weights. Position k carries w_k = exp(−(k−1)/γ) times its validity mask.
 
-Per-sequence normalisation (DESIGN §4.2, as the reference, whose micro-batch is one
+Per-sequence normalisation (docs/design.md §4.2, as the reference, whose micro-batch is one
 sequence). Sequence b has Nw_b = Σ w over ITS valid positions; its loss is Σ w·ℓ / Nw_b; the
 batch loss is the mean over the sequences that have a valid position. Long and short
 responses weigh the same, and nothing depends on the batch size.

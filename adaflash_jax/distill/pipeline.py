@@ -1,4 +1,4 @@
-"""The whole distillation job (DESIGN §4): regenerate → stage 1 → head init → stage 2 rounds
+"""The whole distillation job (docs/design.md §4): regenerate → stage 1 → head init → stage 2 rounds
 (AdaFlash and its comparisons, equal compute) → τ per domain → export → report.
 
 Run directory layout:

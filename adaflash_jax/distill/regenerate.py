@@ -2,7 +2,7 @@
 
 Dimensions: M prompts, P padded prompt length, R max new tokens, S training sequence length.
 
-The drafter must imitate the target, not a dataset's authors (DESIGN §4.1), so every
+The drafter must imitate the target, not a dataset's authors (docs/design.md §4.1), so every
 training response is the target's own greedy continuation, produced by the project's
 batched generation (`decode.generate`). A sequence is prompt + response (EOS kept),
 truncated to S and padded; the loss mask covers response tokens only. Prompts are padded

@@ -1,6 +1,6 @@
 """Stage runners: stage 1, head init, and the stage-2 collect ⇄ train rounds.
 
-Stage 2 follows the reference loop (DESIGN §4.2): round r takes `prompts_per_round` prompts
+Stage 2 follows the reference loop (docs/design.md §4.2): round r takes `prompts_per_round` prompts
 of the stage-2 pool that no earlier round used (the pool is disjoint from stage 1's prompts
 unless `stage2.pool = "stage1"`), collects them with the CURRENT drafter, trains on that
 buffer with anchors drawn uniformly over each response, and drops it. The accepted lengths

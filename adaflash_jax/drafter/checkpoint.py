@@ -1,4 +1,4 @@
-"""HF DFlash / AdaFlash drafter directories (DESIGN §6): config.json + model.safetensors.
+"""HF DFlash / AdaFlash drafter directories (docs/design.md §6): config.json + model.safetensors.
 
 Tensor names carry no `model.` prefix, PyTorch [out, in] layout, no embedding and no LM
 head. The AdaFlash length head lives under `thresh_head_two_model.*`; loaders that do not
@@ -41,7 +41,7 @@ from adaflash_jax.model.checkpoint import CheckpointError, layer_param_table
 from adaflash_jax.model.config import ConfigError, default_feature_layers, read_rope
 
 HEAD_PREFIX = "thresh_head_two_model."
-HEAD_PARTS = ("down", "res.0", "out")  # LengthHead's down, res and out (DESIGN §4.3)
+HEAD_PARTS = ("down", "res.0", "out")  # LengthHead's down, res and out (docs/design.md §4.3)
 ACCEPT_PREFIX = "accept_head."
 ACCEPT_FILE = "adaflash_extra/accept_head.safetensors"  # relative to the export directory
 ACCEPT_KEY = "adaflash_accept_head"  # in config.json's dflash_config

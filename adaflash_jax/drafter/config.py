@@ -1,4 +1,4 @@
-"""Drafter and length-head configuration (DESIGN §3, §4.3, §6)."""
+"""Drafter and length-head configuration (docs/design.md §3, §4.3, §6)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 from adaflash_jax.model.config import ConfigError, RopeScaling, TargetConfig
 
-# Block sizes the decayed-CE schedule is defined for (DESIGN §4.1); others fall back to K/2.
+# Block sizes the decayed-CE schedule is defined for (docs/design.md §4.1); others fall back to K/2.
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Width of the per-position acceptance network a distillation run gives its head by default.
 DEFAULT_ACCEPT_DIM = 64

@@ -1,4 +1,4 @@
-"""AdaFlash adaptive length head (DESIGN §4.3, "two-model" head) and its optional
+"""AdaFlash adaptive length head (docs/design.md §4.3, "two-model" head) and its optional
 per-position acceptance output.
 
 Dimensions: B batch, K block size, P = K−1 draft positions, D drafter width, R bottleneck
@@ -11,7 +11,7 @@ r ≈ verify length / K.
 The acceptance part (only when `accept_dim` > 0) is a separate small network, so r is
 unchanged by it. For draft position i = 1..K−1 it predicts a_i = P(draft i accepted | drafts
 < i accepted) from features [hidden_i (D), max log-prob_i, entropy_i] of the drafter's own
-forward pass (never from sampled tokens, DESIGN §4.3): Dense(D+2 → A) → SiLU → Dense(A → 1)
+forward pass (never from sampled tokens, docs/design.md §4.3): Dense(D+2 → A) → SiLU → Dense(A → 1)
 + a learned per-position bias → sigmoid. Its inputs are detached here, whatever the caller
 does. A block size different from the trained one reuses the last position's bias beyond
 the trained positions.

@@ -1,4 +1,4 @@
-"""Block attention masks of the DFlash drafter (DESIGN §3).
+"""Block attention masks of the DFlash drafter (docs/design.md §3).
 
 Dimensions: B batch, C context slots (committed tokens with target features), N blocks
 (anchors) per sequence, K block size, S sequence length (training context).

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter in Flax NNX (DESIGN §3).
+"""DFlash block-diffusion drafter in Flax NNX (docs/design.md §3).
 
 Dimensions: B batch, C context slots, N blocks per sequence, K block size, S training
 sequence length, D model, nD concatenated target features, V vocab, H/Kv heads, Dh head dim.
@@ -169,7 +169,7 @@ class Drafter(nnx.Module):
         """Final-normed block states [B, N, K, D] for blocks anchored at `anchors_BxN`.
 
         Block n starts with the token at its anchor and sees target features strictly before
-        the anchor; blocks never see each other (DESIGN §3). `attention`: "sparse" computes
+        the anchor; blocks never see each other (docs/design.md §3). `attention`: "sparse" computes
         block→context in chunks of `attention_chunk` context keys plus block→own block
         (`train_attention`); "dense" scores all N·K × (S + N·K) pairs under
         `masks.train_mask` (same result, memory grows with N·K·S).

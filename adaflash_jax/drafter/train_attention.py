@@ -1,4 +1,4 @@
-"""Block-sparse training attention of the DFlash drafter (DESIGN §3), computed in parts.
+"""Block-sparse training attention of the DFlash drafter (docs/design.md §3), computed in parts.
 
 Dimensions: B batch, S context keys (the training sequence), N blocks, K block size,
 T = N·K block queries, H query heads, Kv kv heads, G = H/Kv, Dh head dim, C context chunk,

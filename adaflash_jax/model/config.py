@@ -1,6 +1,6 @@
 """Target LLM configuration, read from and written to HuggingFace `config.json`.
 
-Covers the dense Llama and Qwen3 families (DESIGN §2). The config is architecture only;
+Covers the dense Llama and Qwen3 families (docs/design.md §2). The config is architecture only;
 dtypes are chosen when a model is built or loaded.
 """
 
@@ -87,7 +87,7 @@ class TargetConfig:
         return tuple(self.eos_token_id)
 
     def default_feature_layers(self, num_features: int) -> tuple[int, ...]:
-        """DESIGN §2: the target layers whose outputs feed the drafter by default."""
+        """docs/design.md §2: the target layers whose outputs feed the drafter by default."""
         return default_feature_layers(self.num_hidden_layers, num_features)
 
     # ---- HuggingFace config.json -------------------------------------------------------
@@ -182,7 +182,7 @@ class TargetConfig:
 
 
 def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:
-    """DESIGN §2's default feature layers of an `n_layers`-layer target: `n == 1 → [L//2]`,
+    """docs/design.md §2's default feature layers of an `n_layers`-layer target: `n == 1 → [L//2]`,
     else `round(1 + j·(L−4)/(n−1))`, clipped to the target's layers."""
     if num_features <= 0:
         raise ConfigError(f"num_features must be positive, got {num_features}")

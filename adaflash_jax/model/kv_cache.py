@@ -1,4 +1,4 @@
-"""Fixed-shape KV cache with per-row lengths (DESIGN §8: rollback only moves lengths).
+"""Fixed-shape KV cache with per-row lengths (docs/design.md §8.1: rollback only moves lengths).
 
 Dimensions: L layers, B rows, S capacity, T new tokens per row, Kv kv heads, Dh head dim.
 

@@ -1,4 +1,4 @@
-"""The frozen target LLM: a Llama / Qwen3 dense decoder in Flax NNX (DESIGN §2).
+"""The frozen target LLM: a Llama / Qwen3 dense decoder in Flax NNX (docs/design.md §2).
 
 Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
 H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
@@ -152,7 +152,7 @@ class TargetLM(nnx.Module):
 
     def feature(self, layer: int, x_BxTxD):
         """Decoder layer `layer`'s output `x_BxTxD` as the drafter's feature: HF
-        `hidden_states[layer + 1]` (DESIGN §2). HF's last entry is after the final norm, so
+        `hidden_states[layer + 1]` (docs/design.md §2). HF's last entry is after the final norm, so
         the last layer's feature is normed too."""
         if layer == self.config.num_hidden_layers - 1:
             return self.norm(x_BxTxD)

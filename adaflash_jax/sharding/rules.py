@@ -1,4 +1,4 @@
-"""Logical-axis → mesh-axis rule tables, in ONE place (DESIGN §8, maxtext rules-as-data).
+"""Logical-axis → mesh-axis rule tables, in ONE place (docs/design.md §8.2, maxtext rules-as-data).
 
 Parameters name their axes logically (`vocab`, `embed`, `q_heads`, `kv_heads`, `mlp`,
 `norm`, `features`, ...). A rule table maps each logical name to a mesh axis, a tuple of

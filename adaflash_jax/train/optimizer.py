@@ -2,7 +2,7 @@
 
 `make_optimizer` serves one parameter group; `make_grouped_optimizer` gives each group its
 own AdamW (learning rate, schedule, decay) via `optax.multi_transform`, with ONE global-norm
-clip over all trainable parameters before the split (DESIGN §4.2: clip 1.0 over everything;
+clip over all trainable parameters before the split (docs/design.md §4.2: clip 1.0 over everything;
 drafter and length head at different constant learning rates).
 
 Weight decay skips 1-D parameters (norm scales, biases), the usual choice for transformers,

@@ -1,4 +1,4 @@
-"""The reference AdaFlash recipe for Qwen3-8B on a Cloud TPU v5p slice (DESIGN §3, §4).
+"""The reference AdaFlash recipe for Qwen3-8B on a Cloud TPU v5p slice (docs/design.md §3, §4).
 
 Drafter: 5 Qwen3 layers as wide as the target, block 16 (γ = 7), features from target layers
 [1, 9, 17, 25, 33], no acceptance network (not part of the reference; `--set

@@ -19,7 +19,7 @@ the arm as two loop programs (`skip.py`). Without the arm the policy keeps no st
 Acceptance estimators (per-position acceptance probability a_i of draft i):
 - "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
   at temperature 1. For a calibrated drafter this is the chance its argmax is the target's.
-- "length_head": r estimates (A + 1)/K (DESIGN §4.3), so the mean accepted streak is
+- "length_head": r estimates (A + 1)/K (docs/design.md §4.3), so the mean accepted streak is
   m = clip(r·K − 1, 0, K − 1); a constant per-position rate a solves Σ_{i=1}^{K−1} a^i = m.
 - "head": the length head's per-position acceptance output (`LengthHead.accept_probs`).
 """
