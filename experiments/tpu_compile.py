@@ -28,10 +28,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="a file defining get_config()")
     p.add_argument("--topology", required=True, help="v5p-64 | v5e-256 | v6e-64 | v5p:2x2x1 ...")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--only", type=lambda s: tuple(s.split(",")), help="train,generate,engine,draft")
+    p.add_argument(
+        "--only", type=lambda s: tuple(s.split(",")), help="train,generate,prefill,engine,draft"
+    )
     p.add_argument("--serve", action="store_true", help="tensor-parallel decoding table")
     p.add_argument("--rows", type=_ints, default=(1, 8, 32, 64, 128), help="--serve row counts")
-    p.add_argument("--widths", type=_ints, help="--serve verify widths (default: all buckets)")
+    p.add_argument(
+        "--widths", type=_ints, help="verify widths of the engine steps (default: all buckets)"
+    )
     p.add_argument("--capacity", type=int, default=1024, help="--serve cache capacity")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--cost-table", help="--serve: write the verify-cost table (goodput format)")
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
             )
         else:
             figs, data = session.compile_run(
-                cfg, sl, groups=args.only or programs.GROUPS, overrides=sets
+                cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths, overrides=sets
             )
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

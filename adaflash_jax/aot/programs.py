@@ -34,7 +34,9 @@ from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
 GROUPS = ("train", "generate", "prefill", "engine", "draft")
 
 
-def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS) -> list[Program]:
+def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None) -> list[Program]:
+    """The programs a run executes (`groups`); the engine step at `widths` (default: all
+    buckets)."""
     out = []
     if "train" in groups:
         out += train_programs(cfg, mesh)
@@ -63,7 +65,9 @@ def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS) -> list[Program]:
             p = dp.prefill_program(m, slots=n, capacity=cap, prompt_len=d.max_prompt_len)
             out.append(_noted(p, note))
         if "engine" in groups:
-            for p in dp.engine_programs(m, slots=n, capacity=cap, temperature=temperature):
+            for p in dp.engine_programs(
+                m, slots=n, capacity=cap, temperature=temperature, widths=widths
+            ):
                 out.append(_noted(p, note))
         if "draft" in groups:
             out.append(_noted(dp.draft_program(m, slots=n, capacity=cap), note))

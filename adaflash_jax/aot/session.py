@@ -50,11 +50,13 @@ def _meta(cfg: RunConfig, sl: Slice, mesh_shape, mode: str, overrides: dict) -> 
     )
 
 
-def compile_run(cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, overrides=None, log=sys.stderr):
+def compile_run(
+    cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=sys.stderr
+):
     target = run_target(cfg)
     dcfg = run_drafter(cfg, target)
     shape = cfg.check_runtime(num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id)
-    progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups)
+    progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths)
     figs = _compile_all(progs, sl, log)
     return figs, R.to_json(figs, **_meta(cfg, sl, shape, "run", overrides or {}))
 
