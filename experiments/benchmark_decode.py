@@ -12,13 +12,15 @@ slot count (tokens/s, τ, ratio measured in the same run; default: random tiny t
 untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal).
 Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
 the weight-read floor (goal <= 1.5x), the verify table per batch and width (DESIGN §7) and,
-with --draft-layers, the drafter block forward per batch; --cost-table writes them as a
-verify-cost table for the goodput policy and experiments.project_throughput.
+with --draft-layers, the drafter block forward per batch; --cost-table (with --draft-layers)
+then times the engine's own loop programs (`decode.step_cost`) into the cost table that the
+goodput policy and experiments.project_throughput read.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -121,7 +123,7 @@ def parse(argv=None) -> argparse.Namespace:
     g.add_argument("--draft-layers", type=int, default=0, help="also time a drafter (0: no)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--draft-batches", help="default: --batches")
-    g.add_argument("--cost-table", help="write a verify-cost table JSON here")
+    g.add_argument("--cost-table", help="write the engine's cost table JSON here")
     return p.parse_args(argv)
 
 
@@ -214,6 +216,8 @@ def shape_mode(args) -> None:
     from adaflash_jax.bench.forward_timing import random_target
     from adaflash_jax.bench.shapes import shape_config
 
+    if args.cost_table and not args.draft_layers:
+        raise SystemExit("--cost-table needs --draft-layers (the engine drafts)")
     cfg = shape_config(args.shape)
     device = jax.devices()[0].device_kind
     floor = sb.floor_ms(cfg, args.bandwidth_tbs)
@@ -253,11 +257,25 @@ def shape_mode(args) -> None:
               f"floor (goal <= {sb.DECODE_GOAL}x: {met})")  # fmt: skip
     log("done")
     if args.cost_table:
-        table = sb.cost_table(rows, draft_rows, device=device, model=f"{args.shape} random bf16")
-        if table is None:
-            raise SystemExit("--cost-table needs every (batch, width) cell measured")
-        table.save(args.cost_table)
-        print(f"wrote {args.cost_table}")
+        write_cost_table(args, cfg, (graphdef, state), (dgraph, dstate))
+
+
+def write_cost_table(args, cfg, target_pair, drafter_pair) -> None:
+    """The engine's cost table (`decode.step_cost.measure`: its loop program per verify
+    width, the plain loop and the draft forward) at --batches, a cache of --context."""
+    from adaflash_jax.decode.step_cost import measure
+
+    table = measure(
+        nnx.merge(*target_pair),
+        nnx.merge(*drafter_pair),
+        rows=_ints(args.batches),
+        capacity=args.context,
+        buckets=_ints(args.widths),
+        rounds=max(1, args.iters // 4),
+    )
+    table = dataclasses.replace(table, model=f"{args.shape} random bf16; {table.model}")
+    table.save(args.cost_table)
+    print(f"wrote {args.cost_table}")
 
 
 if __name__ == "__main__":

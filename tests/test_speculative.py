@@ -10,6 +10,7 @@ import pytest
 from doubles import DraftEveryNth, TableDrafter, WobblePolicy
 from flax import nnx
 
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
@@ -18,7 +19,6 @@ from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.decode.state import bucket_set, policy_slots
 from adaflash_jax.decode.step import admit
-from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.config import ConfigError, TargetConfig
