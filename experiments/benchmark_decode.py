@@ -31,20 +31,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.bench.shapes import shape_config
 from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 # Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`.
-CPU_SHAPES = ("tiny",)
+CPU_SHAPES = ("test", "micro", "tiny")  # model/presets.py names
 
 
 def build_random_target(shape: str, *, dtype=jnp.float32, seed: int = 0) -> TargetLM:
     if shape not in CPU_SHAPES:
         raise SystemExit(f"unknown --config {shape!r}; choose from {list(CPU_SHAPES)}")
-    return TargetLM(shape_config(shape), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+    return TargetLM(target_preset(shape), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
 
 
 def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -100,7 +100,7 @@ def print_table(rows: list[dict]) -> None:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=CPU_SHAPES)
+    p.add_argument("--config", default="micro", choices=CPU_SHAPES)
     p.add_argument("--batch", type=int, action="append", help="repeatable (default: 1 and 8)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -114,7 +114,7 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--policies", default="fixed", help="comma list of fixed/adaflash/goodput")
     s.add_argument("--requests", type=int, help="requests per slot count (default: 2 x slots)")
     g = p.add_argument_group("shape mode: random-weight timings of a named shape (GPU)")
-    g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/bench/shapes.py)")
+    g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/model/presets.py)")
     g.add_argument("--batches", default="1,8,32,64,128")
     g.add_argument("--widths", default="1,2,4,8,16")
     g.add_argument("--context", type=int, default=1024)
@@ -214,11 +214,10 @@ def untrained_drafter(cfg: TargetConfig, dtype):
 def shape_mode(args) -> None:
     from adaflash_jax.bench import shape_bench as sb
     from adaflash_jax.bench.forward_timing import random_target
-    from adaflash_jax.bench.shapes import shape_config
 
     if args.cost_table and not args.draft_layers:
         raise SystemExit("--cost-table needs --draft-layers (the engine drafts)")
-    cfg = shape_config(args.shape)
+    cfg = target_preset(args.shape)
     device = jax.devices()[0].device_kind
     floor = sb.floor_ms(cfg, args.bandwidth_tbs)
     print(f"{args.shape} on {device}: weight-read floor {floor:.2f} ms", flush=True)

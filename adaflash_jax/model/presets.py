@@ -9,94 +9,53 @@ TPU compiles use (`qwen3-1.7b`, `qwen3-8b`, `qwen3-32b`). Names are CLI names (`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
 
-def test() -> TargetConfig:
-    """The unit tests' target (D 32, 2 layers): seconds to compile on a CPU."""
+def _dense(v, d, f, layers, heads, kv, dh, *, tied=False, **kw) -> TargetConfig:
+    """V, D, F, L, H, Kv, Dh of a dense Llama/Qwen3 target."""
     return TargetConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-
-
-def micro() -> TargetConfig:
-    """The `micro` pretraining preset's target; also the random CPU benchmark model."""
-    return TargetConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-
-
-def tiny() -> TargetConfig:
-    """The `tiny` pretraining preset's target (~4M parameters, tied embeddings)."""
-    return TargetConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    )
-
-
-def small() -> TargetConfig:
-    """The `small` pretraining preset's target (~80M parameters, one GPU)."""
-    return TargetConfig(
-        vocab_size=4096,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-    )
-
-
-def _qwen3(*, hidden, mlp, layers, heads, tied=False) -> TargetConfig:
-    """Qwen3 dense: V 151936, kv heads 8 of 128, 40960 positions."""
-    return TargetConfig(
-        vocab_size=151936,
-        hidden_size=hidden,
-        intermediate_size=mlp,
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=f,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
+        num_key_value_heads=kv,
+        head_dim=dh,
         tie_word_embeddings=tied,
+        **kw,
     )
 
 
+def _qwen3(d, f, layers, heads, *, tied=False) -> TargetConfig:
+    """Qwen3 dense: V 151936, 8 kv heads of 128, 40960 positions."""
+    return _dense(151936, d, f, layers, heads, 8, 128, tied=tied, max_position_embeddings=40960)
+
+
+PRETRAIN_ROPE = 10_000.0  # the embedded targets' RoPE base
+
 PRESETS: dict[str, Callable[[], TargetConfig]] = {
-    "test": test,
-    "micro": micro,
-    "tiny": tiny,
-    "small": small,
-    "qwen3-1.7b": lambda: _qwen3(hidden=2048, mlp=6144, layers=28, heads=16, tied=True),
-    "qwen3-8b": lambda: _qwen3(hidden=4096, mlp=12288, layers=36, heads=32),
-    "qwen3-32b": lambda: _qwen3(hidden=5120, mlp=25600, layers=64, heads=64),
+    # the unit tests' target (D 32, 2 layers): seconds to compile on a CPU
+    "test": lambda: _dense(128, 32, 64, 2, 4, 2, 8),
+    # the pretraining presets' targets (`train/presets.py`); micro is also the random CPU
+    # benchmark model, tiny (~4M parameters) ties its embeddings, small is ~80M
+    "micro": lambda: _dense(512, 64, 128, 2, 4, 2, 16, rope_theta=PRETRAIN_ROPE),
+    "tiny": lambda: _dense(4096, 256, 768, 4, 4, 2, 64, tied=True, rope_theta=PRETRAIN_ROPE),
+    "small": lambda: _dense(4096, 768, 2048, 12, 12, 4, 64, rope_theta=PRETRAIN_ROPE),
+    "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32),
+    "qwen3-32b": lambda: _qwen3(5120, 25600, 64, 64),
 }
 
 
-def target_preset(name: str) -> TargetConfig:
-    """The named shape (case-insensitive)."""
+def target_preset(name: str, **overrides) -> TargetConfig:
+    """The named shape (case-insensitive), with `overrides` of its fields (e.g. the test
+    shape with another vocabulary)."""
     try:
-        return PRESETS[name.lower()]()
+        cfg = PRESETS[name.lower()]()
     except KeyError:
         raise ConfigError(f"unknown target shape {name!r}; presets: {sorted(PRESETS)}") from None
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
