@@ -38,13 +38,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", help="embedded preset of the prompts (default: the run's)")
     p.add_argument("--adaflash-threshold", type=int, default=48)
     p.add_argument("--goodput-estimator", default="confidence")
-    p.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
-    p.add_argument(
-        "--goodput-costs",
-        choices=("engine", "forward"),
-        default="engine",
-        help="calibrate goodput on each engine's own step, or on bare forwards (fewer compiles)",
-    )
+    p.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     p.add_argument("--buckets", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timed rounds (fastest kept)")
     p.add_argument("--requests-per-slot", type=float, default=1.0, help="requests >= this x c")
@@ -64,7 +58,7 @@ def main(argv=None) -> int:
 
     from adaflash_jax.bench import inputs, report
     from adaflash_jax.bench import throughput_bench as tb
-    from adaflash_jax.decode.verify_cost import VerifyCostTable
+    from adaflash_jax.decode.cost_table import VerifyCostTable
 
     try:
         if a.micro:
@@ -96,7 +90,6 @@ def main(argv=None) -> int:
             buckets=_ints(a.buckets),
             adaflash_threshold=a.adaflash_threshold,
             goodput_estimator=a.goodput_estimator,
-            goodput_costs=a.goodput_costs,
             repeats=a.repeats,
             requests_per_slot=a.requests_per_slot,
         )

@@ -12,13 +12,15 @@ slot count (tokens/s, τ, ratio measured in the same run; default: random tiny t
 untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal).
 Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
 the weight-read floor (goal <= 1.5x), the verify table per batch and width (docs/design.md §7) and,
-with --draft-layers, the drafter block forward per batch; --cost-table writes them as a
-verify-cost table for the goodput policy and experiments.project_throughput.
+with --draft-layers, the drafter block forward per batch; --cost-table (with --draft-layers)
+then times the engine's own loop programs (`decode.step_cost`) into the cost table that the
+goodput policy and experiments.project_throughput read.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -29,20 +31,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.bench.shapes import shape_config
 from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 # Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`.
-CPU_SHAPES = ("tiny",)
+CPU_SHAPES = ("test", "micro", "tiny")  # model/presets.py names
 
 
 def build_random_target(shape: str, *, dtype=jnp.float32, seed: int = 0) -> TargetLM:
     if shape not in CPU_SHAPES:
         raise SystemExit(f"unknown --config {shape!r}; choose from {list(CPU_SHAPES)}")
-    return TargetLM(shape_config(shape), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+    return TargetLM(target_preset(shape), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
 
 
 def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -98,7 +100,7 @@ def print_table(rows: list[dict]) -> None:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=CPU_SHAPES)
+    p.add_argument("--config", default="micro", choices=CPU_SHAPES)
     p.add_argument("--batch", type=int, action="append", help="repeatable (default: 1 and 8)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -112,7 +114,7 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--policies", default="fixed", help="comma list of fixed/adaflash/goodput")
     s.add_argument("--requests", type=int, help="requests per slot count (default: 2 x slots)")
     g = p.add_argument_group("shape mode: random-weight timings of a named shape (GPU)")
-    g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/bench/shapes.py)")
+    g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/model/presets.py)")
     g.add_argument("--batches", default="1,8,32,64,128")
     g.add_argument("--widths", default="1,2,4,8,16")
     g.add_argument("--context", type=int, default=1024)
@@ -121,7 +123,7 @@ def parse(argv=None) -> argparse.Namespace:
     g.add_argument("--draft-layers", type=int, default=0, help="also time a drafter (0: no)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--draft-batches", help="default: --batches")
-    g.add_argument("--cost-table", help="write a verify-cost table JSON here")
+    g.add_argument("--cost-table", help="write the engine's cost table JSON here")
     return p.parse_args(argv)
 
 
@@ -212,9 +214,10 @@ def untrained_drafter(cfg: TargetConfig, dtype):
 def shape_mode(args) -> None:
     from adaflash_jax.bench import shape_bench as sb
     from adaflash_jax.bench.forward_timing import random_target
-    from adaflash_jax.bench.shapes import shape_config
 
-    cfg = shape_config(args.shape)
+    if args.cost_table and not args.draft_layers:
+        raise SystemExit("--cost-table needs --draft-layers (the engine drafts)")
+    cfg = target_preset(args.shape)
     device = jax.devices()[0].device_kind
     floor = sb.floor_ms(cfg, args.bandwidth_tbs)
     print(f"{args.shape} on {device}: weight-read floor {floor:.2f} ms", flush=True)
@@ -253,11 +256,25 @@ def shape_mode(args) -> None:
               f"floor (goal <= {sb.DECODE_GOAL}x: {met})")  # fmt: skip
     log("done")
     if args.cost_table:
-        table = sb.cost_table(rows, draft_rows, device=device, model=f"{args.shape} random bf16")
-        if table is None:
-            raise SystemExit("--cost-table needs every (batch, width) cell measured")
-        table.save(args.cost_table)
-        print(f"wrote {args.cost_table}")
+        write_cost_table(args, cfg, (graphdef, state), (dgraph, dstate))
+
+
+def write_cost_table(args, cfg, target_pair, drafter_pair) -> None:
+    """The engine's cost table (`decode.step_cost.measure`: its loop program per verify
+    width, the plain loop and the draft forward) at --batches, a cache of --context."""
+    from adaflash_jax.decode.step_cost import measure
+
+    table = measure(
+        nnx.merge(*target_pair),
+        nnx.merge(*drafter_pair),
+        rows=_ints(args.batches),
+        capacity=args.context,
+        buckets=_ints(args.widths),
+        rounds=max(1, args.iters // 4),
+    )
+    table = dataclasses.replace(table, model=f"{args.shape} random bf16; {table.model}")
+    table.save(args.cost_table)
+    print(f"wrote {args.cost_table}")
 
 
 if __name__ == "__main__":

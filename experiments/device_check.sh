@@ -58,11 +58,10 @@ else
   DISTILL_SETS=(data.train_per_domain=128 data.eval_per_domain=8 data.max_new_tokens=128
     stage1.steps=200 head_init.steps=30 stage2.steps_per_round=30 stage2.prompts_per_round=64
     checkpoint.every=100000)
-  # goodput's costs from the bench's bare-forward calibration: measuring each engine's own
-  # step (the CPU default) compiles |buckets| + 2 more loop programs per concurrency; one
-  # timed round per cell (the CPU default of two fights this CPU's drift, not the GPU's)
+  # goodput's costs: the bench's one cost table (the engine's loop programs per concurrency);
+  # one timed round per cell (the CPU default of two fights this CPU's drift, not the GPU's)
   BENCH_ARGS=(--concurrency 128,64,32,1 --prompts-per-domain 16 --max-new-tokens 64
-    --max-prompt-len 64 --goodput-costs forward --repeats 1)
+    --max-prompt-len 64 --repeats 1)
   SHAPE_ARGS=(--shape qwen3-8b --batches 1,128 --widths 1,4,16 --context 1024 --iters 5
     --draft-layers 5 --block-size 16)
   UNTRAINED=(--layers 3 --block-size 16)

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
     s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
-    s.add_argument("--cost-table", help="verify-cost JSON for goodput (default: calibrate)")
+    s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
     s.add_argument(
         "--no-skip-draft", action="store_true", help="goodput always drafts (no plain steps)"

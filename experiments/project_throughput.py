@@ -7,10 +7,12 @@ python -m experiments.project_throughput --traces T.json --cost benchmarks/h200/
 python -m experiments.project_throughput --traces T.json --cost-from-traces   # own device
 python -m experiments.project_throughput --traces T.json --cost benchmarks/tpu/v5e8_cost.json
 
-A TPU cost table comes from `python -m experiments.tpu_compile --serve --cost-table T.json`
+A cost table comes from `experiments.benchmark` (bench_traces.json), `benchmark_decode --shape
+... --draft-layers N --cost-table T.json` (the engine's loop programs timed on a GPU) or,
+as compiler estimates, `python -m experiments.tpu_compile --serve --cost-table T.json`
 (compiler estimates of the engine's plain, draft and verify steps; the header says so).
 
-Default costs: the H200 Qwen3-8B-shape forward timings in benchmarks/h200/ (default XLA
+Default costs: the H200 Qwen3-8B-shape bare-forward timings in benchmarks/h200/ (default XLA
 flags) and docs/design.md §7's draft cost. See adaflash_jax/bench/projection.py for the model.
 """
 
@@ -31,9 +33,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--traces", required=True, help="bench_traces.json of experiments.benchmark")
     p.add_argument("--cost", action="append", default=[], help="cost JSON (repeatable, merged)")
-    p.add_argument("--cost-from-traces", action="store_true", help="the bench's own calibration")
+    p.add_argument("--cost-from-traces", action="store_true", help="the bench's own cost table")
     p.add_argument("--draft-ms", help="BATCH:MS pairs, e.g. 1:2.6,128:16 (overrides the files)")
-    p.add_argument("--context", type=int, default=1024, help="forward JSON as docs/design.md §7")
     p.add_argument("--concurrency", help="comma list (default: the cost rows)")
     p.add_argument("--threshold", type=int, default=48, help="adaflash rule threshold")
     p.add_argument("--domain", help="only this domain's traces (default: all pooled)")
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
 
     from adaflash_jax.bench import cost_model as cm
     from adaflash_jax.bench import projection as pj
+    from adaflash_jax.decode.cost_table import VerifyCostTable
 
     try:
         acceptance = pj.load_acceptance(a.traces, domain=a.domain)
@@ -56,13 +58,10 @@ def main(argv=None) -> int:
                 tables = json.load(f)["cost_tables"]
             if not tables:
                 raise cm.CostError(f"{a.traces} holds no cost table (no goodput method ran)")
-            tmp = next(iter(tables.values()))
-            m.verify.update({(b, w): tmp["verify_ms"][i][j] for i, b in enumerate(tmp["rows"])
-                             for j, w in enumerate(tmp["widths"])})  # fmt: skip
-            m.draft.update(dict(zip(tmp["rows"], tmp["draft_ms"])))
-            m.sources.append(f"{a.traces} (calibration on {tmp['device']})")
+            table = VerifyCostTable.from_json(next(iter(tables.values())))
+            cm.add_table(m, table, f"{a.traces} (measured on {table.device})")
         for path in a.cost or ([] if a.cost_from_traces else H200_DEFAULT):
-            cm.read_cost_json(path, m, ctx=a.context)
+            cm.read_cost_json(path, m)
         widths = {1} | {w for x in acceptance.values() for w in x.buckets}
         draft = cm.parse_draft_ms(a.draft_ms) if a.draft_ms else None
         cost = cm.build(m, widths, draft_ms=draft)

@@ -13,3 +13,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from adaflash_jax.model.presets import target_preset  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_target_config():
+    """The unit tests' target shape (`model/presets.py` "test")."""
+    return target_preset("test")

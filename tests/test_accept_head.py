@@ -26,21 +26,14 @@ from adaflash_jax.drafter.length_head import LengthHead, confidence_features
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError
-from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.mesh import make_mesh
 from adaflash_jax.train.optimizer import OptimizerConfig
 
-TARGET = TargetConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=64, intermediate_size=48)
 K, A = 4, 16
 
 

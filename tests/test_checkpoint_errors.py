@@ -17,18 +17,11 @@ from flax import nnx
 
 from adaflash_jax.io.safetensors_io import SafetensorsError, SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, load_target, save_target
-from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
-CFG = TargetConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = target_preset("test")
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 

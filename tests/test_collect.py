@@ -11,19 +11,11 @@ from adaflash_jax.distill import collect
 from adaflash_jax.distill.regenerate import build_sequences
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 # A 5-token vocabulary makes chance agreement frequent, so accepted streaks are non-trivial.
-TARGET = TargetConfig(
-    vocab_size=5,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=5)
 K, LAYERS, NEW = 4, (0, 1), 14
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from adaflash_jax.distill.abstract import abstract_stage2_state, nbytes
 from adaflash_jax.distill.config import ConfigError, RunConfig, load_config, override
-from adaflash_jax.plan.inputs import qwen3_8b
+from adaflash_jax.model.presets import target_preset
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
 
@@ -73,7 +73,7 @@ def test_reference_recipe_is_the_reference():
 
 def test_qwen3_8b_recipe_builds_abstractly():
     cfg = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
-    state = abstract_stage2_state(cfg, qwen3_8b())
+    state = abstract_stage2_state(cfg, target_preset("qwen3-8b"))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
     drafter_gb = nbytes(state.params) / 2**30
     target_gb = nbytes(state.frozen) / 2**30

@@ -23,22 +23,14 @@ from adaflash_jax.distill.batches import SequenceData, batch_iterator
 from adaflash_jax.distill.loop import Preempted, StageRun, restore_or_start, run_stage
 from adaflash_jax.distill.state import fresh_drafter, new_train_state
 from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
 from adaflash_jax.train.mesh import make_mesh
 from adaflash_jax.train.optimizer import OptimizerConfig
 
-TARGET = TargetConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=96)
 B, S, N, K, STOP, TOTAL = 8, 32, 3, 4, 3, 6
 KILL_AT, SAVE_EVERY = 5, 2  # the kill -9 case: saves at 2 and 4 (asynchronous), dies after 5
 

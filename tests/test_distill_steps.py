@@ -10,21 +10,13 @@ from flax import nnx
 from adaflash_jax.distill import steps
 from adaflash_jax.distill.state import fresh_drafter, new_train_state
 from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.mesh import make_mesh
 from adaflash_jax.train.optimizer import OptimizerConfig
 
-TARGET = TargetConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=96, intermediate_size=48, num_hidden_layers=3)
 B, S, N, K = 2, 40, 5, 4
 
 

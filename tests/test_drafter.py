@@ -11,17 +11,10 @@ from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import length_label, verify_length
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
-TARGET = TargetConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=96, num_hidden_layers=6)
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,12 @@ from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, save_target
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import write_byte_tokenizer
 from experiments import init_drafter
 
-TARGET = TargetConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=64, intermediate_size=48, num_hidden_layers=6)
 
 
 def _drafter(head=True):

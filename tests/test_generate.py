@@ -14,7 +14,7 @@ from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.tokens import logits_to_probs as _logits_to_probs
 from adaflash_jax.decode.tokens import pick_tokens as _pick_tokens
 from adaflash_jax.model.checkpoint import load_target, save_target
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import CHATML_TEMPLATE, Tokenizer, write_byte_tokenizer
 from experiments import generate as generate_cli
@@ -70,17 +70,7 @@ def target_dir(tmp_path_factory):
     """A tiny random Qwen3 target with a byte tokenizer and a ChatML template."""
     path = tmp_path_factory.mktemp("tiny_target")
     vocab = write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
-    cfg = TargetConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        eos_token_id=256,
-    )
+    cfg = target_preset("test", vocab_size=vocab, max_position_embeddings=64, eos_token_id=256)
     model = TargetLM(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)  # peakier logits than the 0.02 init
     nnx.update(model, jax.tree.map(lambda x: x * 6.0 if x.ndim == 2 else x, params))

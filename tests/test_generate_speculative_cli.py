@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.model.checkpoint import save_target
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import CHATML_TEMPLATE, write_byte_tokenizer
 from experiments import generate as generate_cli
@@ -19,16 +19,8 @@ from experiments import init_drafter
 
 def _target(path, hidden: int) -> str:
     vocab = write_byte_tokenizer(path, chat_template=CHATML_TEMPLATE)
-    cfg = TargetConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        eos_token_id=256,
+    cfg = target_preset(
+        "test", vocab_size=vocab, hidden_size=hidden, max_position_embeddings=128, eos_token_id=256
     )
     save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), path)
     return str(path)

@@ -12,21 +12,11 @@ from flax import nnx
 
 from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch, split_target
 from adaflash_jax.decode.tokens import pick_tokens
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 V = 128
-CFG = TargetConfig(
-    model_type="qwen3",
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-)
+CFG = target_preset("test", vocab_size=V, max_position_embeddings=128)
 ATOL = 1e-5
 
 

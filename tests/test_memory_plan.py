@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.config import ConfigError
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.plan import (
     GIB,
@@ -28,15 +28,7 @@ from adaflash_jax.plan.params import per_device_bytes, total_bytes
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES, state_shardings
 from experiments import plan as plan_cli
 
-TINY = TargetConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=1,  # fewer kv heads than the tensor axis: the mapping must drop
-    head_dim=8,
-)
+TINY = target_preset("test", vocab_size=96, intermediate_size=48, num_key_value_heads=1)
 
 
 def _abstract_params(module_fn):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from adaflash_jax.io.safetensors_io import SafetensorsFile
 from adaflash_jax.model.checkpoint import save_target
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import write_byte_tokenizer
 
@@ -54,16 +54,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     target = str(root / "target")
     vocab = write_byte_tokenizer(target)
-    cfg = TargetConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        eos_token_id=256,
-    )
+    cfg = target_preset("test", vocab_size=vocab, eos_token_id=256)
     save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), target)
     prompts = str(root / "prompts.jsonl")
     with open(prompts, "w") as f:

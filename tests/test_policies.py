@@ -1,4 +1,4 @@
-"""Length policies and the verify-cost table: pure-function checks (no decode loop)."""
+"""Length policies: pure-function checks (no decode loop). The cost table: test_cost_table.py."""
 
 import dataclasses
 import functools
@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from adaflash_jax.decode import verify_cost
-from adaflash_jax.decode.build import build_engine, make_policy
-from adaflash_jax.decode.goodput import calibration, step_cost
+from adaflash_jax.decode.build import make_policy
+from adaflash_jax.decode.cost_table import VerifyCostTable
+from adaflash_jax.decode.goodput import calibration
 from adaflash_jax.decode.goodput.policy import (
     GoodputPolicy,
     accept_probs,
@@ -19,12 +18,6 @@ from adaflash_jax.decode.goodput.policy import (
     length_head_accept_probs,
 )
 from adaflash_jax.decode.policy import AdaFlashPolicy, Draft, FixedPolicy, PolicyError, Slots
-from adaflash_jax.decode.state import EngineSpec
-from adaflash_jax.decode.verify_cost import VerifyCostTable
-from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.model.config import TargetConfig
-from adaflash_jax.model.target import TargetLM
 
 K = 8
 BUCKETS = (1, 2, 4, 8)
@@ -155,102 +148,6 @@ def test_policy_errors():
         AdaFlashPolicy().validate(buckets=BUCKETS, has_length_head=False)
     with pytest.raises(PolicyError, match="pending_steps"):
         GoodputPolicy(cost=TABLE, pending_steps=0)
-
-
-# ---- verify-cost table -------------------------------------------------------------------------
-def test_cost_table_json_round_trip_and_interpolation(tmp_path):
-    path = tmp_path / "t.json"
-    TABLE.save(path)
-    assert VerifyCostTable.load(path) == TABLE
-    ms = np.asarray(jax.jit(TABLE.step_ms, static_argnums=1)(jnp.int32(10), (1, 8)))
-    # 10 rows: halfway between the 4- and 16-row measurements
-    np.testing.assert_allclose(ms, [(1.2 + 2.0) / 2 + 0.75, (3.0 + 11.0) / 2 + 0.75], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(TABLE.step_ms(64, (2,))), [3.5 + 1.0])  # clamped
-    with pytest.raises(ValueError, match="ascending"):
-        VerifyCostTable(rows=(4, 1), widths=(1,), verify_ms=((1,), (1,)), draft_ms=(0, 0))
-    with pytest.raises(ValueError, match="one row per"):
-        VerifyCostTable(rows=(1,), widths=(1, 2), verify_ms=((1,),), draft_ms=(0,))
-    with pytest.raises(ValueError, match="format"):
-        VerifyCostTable.from_json({"rows": [1]})
-
-
-def test_calibration_measures_and_caches(tmp_path, monkeypatch):
-    cfg = TargetConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    target = TargetLM(cfg, rngs=nnx.Rngs(0))
-    dcfg = DrafterConfig.for_target(
-        cfg, mask_token_id=63, num_layers=1, block_size=4, num_features=2
-    )
-    drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
-    table = verify_cost.calibrate(target, drafter, rows=(1,), widths=(1, 4), capacity=16, repeats=2)
-    assert table.rows == (1,) and table.widths == (1, 4)
-    assert all(ms > 0 for row in table.verify_ms for ms in row) and min(table.draft_ms) > 0
-    assert table.device == verify_cost.device_kind()
-    table.save(tmp_path / "bare.json")
-
-    def no_calibration(*a, **k):
-        raise AssertionError("cached table should have been loaded")
-
-    # Without a table, goodput's costs are measured on the engine's own jitted step (cached
-    # separately: same device/models/slots/buckets/capacity/estimator/sampling mode).
-    engine_kw = dict(
-        slots=1, capacity=16, buckets=(1, 4), policy="goodput", cache_dir=str(tmp_path)
-    )
-    engine = build_engine(target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"})
-    got = engine.policy.cost
-    assert engine.policy.needs_length_head and engine.policy.estimator == "length_head"
-    assert got.rows == (1,) and got.widths == (1, 4) and "engine-step" in got.model
-    assert got.draft_ms[0] >= 0 and min(got.verify_ms[0]) > 0
-    steps = [f for f in tmp_path.iterdir() if f.name.startswith("step-")]
-    assert len(steps) == 1 and "s1" in steps[0].name
-    monkeypatch.setattr(step_cost, "calibrate_engine", no_calibration)
-    again = build_engine(target, drafter, **engine_kw, policy_kwargs={"estimator": "length_head"})
-    assert again.policy == engine.policy
-    with pytest.raises(AssertionError, match="cached"):  # another estimator: another table
-        build_engine(target, drafter, **engine_kw)
-    # a given table (object or JSON path) is used as it is
-    given = build_engine(target, drafter, **engine_kw, cost_table=str(tmp_path / "bare.json"))
-    assert given.policy.cost == table
-
-
-def test_engine_step_calibration_decomposes_the_step(monkeypatch):
-    """draft = step(drafted, W=1) − step(undrafted); verify[W] = step(drafted, W) − draft:
-    goodput's draft + verify is the drafted step, its plain arm the undrafted step; a device
-    call of one undrafted step costs the step plus the switch overhead. A step's cost is the
-    difference of an n-step and a 1-step call, so the call's own overhead never lands in it."""
-    measured = {(False, 1): 3.0, (True, 1): 5.0, (True, 2): 5.5, (True, 4): 7.0}
-    calls = []
-
-    def fake_case_ms(engine, policy, *, steps, **_):
-        calls.append(steps)
-        probing = 1.25 if policy.probe_every == 1 else 0.0  # a probe after every step
-        entry = 2.0 * probing + 0.5 * policy.draft  # a call's entry: one-off costs
-        return 4.5 + entry + steps * (measured[(policy.draft, policy.width)] + probing)
-
-    monkeypatch.setattr(step_cost, "_case_ms", fake_case_ms)
-
-    class FakeEngine:
-        slots, capacity, block_size, buckets = 4, 64, 4, (1, 2, 4)
-        policy = GoodputPolicy(cost=step_cost.unit_table(4, (1, 2, 4)))
-        spec = EngineSpec(block_size=4, buckets=(1, 2, 4), greedy=True, nucleus=False,
-                          feature_layers=(), policy=policy)  # fmt: skip
-
-    table = step_cost.calibrate_engine(FakeEngine())
-    assert table.rows == (4,) and table.widths == (1, 2, 4)
-    assert table.draft_ms == (2.0,)
-    np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
-    np.testing.assert_allclose(np.asarray(table.step_ms(4, (1, 2, 4))), (5.0, 5.5, 7.0))
-    np.testing.assert_allclose(np.asarray(table.verify_step_ms(1, (1,))), (3.0,))
-    np.testing.assert_allclose(table.switch_ms, 4.5)
-    np.testing.assert_allclose((table.probe_ms, float(table.probe_step_ms(4))), (1.25, 1.25))
-    assert set(calls) == {1, 7}  # (capacity 64 − 2) // (2·K) steps fit the cache
 
 
 def test_entering_drafting_must_pay_for_the_switch():

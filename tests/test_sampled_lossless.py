@@ -18,27 +18,19 @@ from doubles import DraftEveryNth, always_accept
 from flax import nnx
 
 from adaflash_jax.decode import acceptance
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.slots import SpeculativeEngine
-from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 V, N, MAX_NEW, TEMPERATURE = 16, 2048, 5, 1.0
 PROMPT = [3, 1, 4, 1, 5]
-CFG = TargetConfig(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = target_preset("test", vocab_size=V)
 P_HONEST = 1e-3  # a lossless engine fails this with probability 1/1000
 P_BIASED = 1e-6
 

@@ -10,6 +10,7 @@ import pytest
 from doubles import DraftEveryNth, TableDrafter, WobblePolicy
 from flax import nnx
 
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
@@ -18,23 +19,14 @@ from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.decode.state import bucket_set, policy_slots
 from adaflash_jax.decode.step import admit
-from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
 V = 128
-CFG = TargetConfig(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-)
+CFG = target_preset("test", vocab_size=V, max_position_embeddings=256)
 CAPACITY = 64
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9], list(range(20, 32))]
 MAX_NEW = [9, 6, 13, 3, 11]  # not multiples of the block: max-tokens lands inside blocks

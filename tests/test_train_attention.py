@@ -15,7 +15,7 @@ from adaflash_jax.drafter.train_attention import (
     prefix_attention,
     train_attention,
 )
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -140,15 +140,7 @@ def test_flops_left_out_completes_the_compilers_count():
     assert 1.0 <= total / (14 * b * t * s * h * dh) < 1.1
 
 
-TARGET = TargetConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TARGET = target_preset("test", vocab_size=64, intermediate_size=48, num_hidden_layers=4)
 
 
 def test_train_hidden_sparse_equals_dense_with_param_grads():

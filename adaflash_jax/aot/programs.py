@@ -9,7 +9,7 @@ TRAIN_RULES as the run shards them.
 `serve_programs(...)`: decoding with tensor-parallel weights (DECODE_RULES, mesh
 (1, 1, chips)): per row count B the engine's plain step, the drafter forward and the drafted
 step at each width — the verify-step table `cost_table` turns into a goodput / projection
-cost table (`adaflash_jax.verify_cost/1`).
+cost table (`decode/cost_table.py`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from adaflash_jax.aot.abstract import DTYPES, run_drafter, run_target
 from adaflash_jax.aot.program import Program
 from adaflash_jax.aot.report import LABEL, Figures
 from adaflash_jax.aot.train_programs import train_programs
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS
 from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.decode.step_cost import table_from_steps
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.plan.inputs import engine_capacity
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
@@ -98,28 +99,23 @@ def serve_programs(
 
 
 def cost_table(figs: list[Figures], *, device: str, model: str) -> VerifyCostTable:
-    """The verify-step table in goodput's format (`decode/verify_cost.py`) from the serve
-    programs' estimates, with the engine-step calibration's meaning (`decode/step_cost.py`):
-    verify[1] is the plain step, draft the drafter's block forward, and verify[W] = drafted
-    step at W − draft. (A drafted step pinned to W = 1 verifies no draft, so XLA drops its
-    drafter forward: it is not compiled here.)"""
+    """The cost table (`decode/cost_table.py`) from the serve programs' estimates, decomposed as
+    the timed tables are (`decode/step_cost.table_from_steps`): verify[1] is the plain step,
+    draft the drafter's block forward, and verify[W] = drafted step at W − draft. (A drafted
+    step pinned to W = 1 verifies no draft, so XLA drops its drafter forward: it is not
+    compiled here.)"""
     est = {f.program: f.optimal_seconds * 1e3 for f in figs if f.compiled}
     missing = [f.program for f in figs if not f.compiled]
     if missing:
         raise ValueError(f"no estimate for {missing}: the compiler refused them")
     rows = sorted({f.rows for f in figs if f.program.startswith("plain")})
     widths = sorted({f.width for f in figs if f.program.startswith("engine")})
-    verify, draft = [], []
-    for b in rows:
-        d = est[f"draft B={b}"]
-        draft.append(d)
-        drafted = [max(est[f"engine W={w} B={b}"] - d, 1e-6) for w in widths]
-        verify.append((est[f"plain B={b}"], *drafted))
-    return VerifyCostTable(
-        rows=tuple(rows),
-        widths=(1, *widths),
-        verify_ms=tuple(verify),
-        draft_ms=tuple(draft),
+    return table_from_steps(
+        rows=rows,
+        widths=widths,
+        plain_ms=[est[f"plain B={b}"] for b in rows],
+        draft_ms=[est[f"draft B={b}"] for b in rows],
+        drafted_ms=[[est[f"engine W={w} B={b}"] for w in widths] for b in rows],
         device=f"{device}: {LABEL}",
         model=model,
     )

@@ -1,12 +1,11 @@
 """Step-cost model for projections: verify ms per (batch B, width W) and draft ms per B, filled
 from whatever measurements exist, every filled cell explained.
 
-Accepted JSON inputs (several may be merged; a later file's cell replaces an earlier one):
-- a verify-cost table (`adaflash_jax.verify_cost/1`: rows × widths, draft_ms per row);
-- `experiments.benchmark_forward` / `benchmark_decode --shape` output: {"rows": [{batch,
-  width, median_ms}], optional "draft_rows": [{batch, median_ms}]};
-- docs/design.md §7's naive-forward JSON: {"target_forward_ms": [{B, T, ctx, ms}],
-  "drafter_forward_ms": [...]} at one context length.
+Inputs (several may be merged; a later file's cell replaces an earlier one): cost tables
+(`decode/cost_table.py`, from `decode.step_cost` or a TPU compile), and, read as they are,
+the bare-forward timing rows of `experiments.benchmark_forward` / `benchmark_decode --shape`
+({"rows": [{batch, width, median_ms}], optional "draft_rows": [{batch, median_ms}]}: the
+committed H200 measurements in benchmarks/h200/).
 
 Filling a missing (B, W): inside row B's measured widths, linear in W between the nearest
 two; outside them, row B's nearest measured width scaled by the width profile of the nearest
@@ -21,6 +20,8 @@ import json
 import math
 
 import numpy as np
+
+from adaflash_jax.decode.cost_table import VerifyCostTable
 
 # docs/design.md §7: a 5-layer DFlash-shaped drafter (Qwen3-8B widths) over 16 block tokens, context
 # 1024, one H200, naive jnp forward; median ms per batch size.
@@ -38,35 +39,33 @@ class Measurements:
     sources: list[str] = dataclasses.field(default_factory=list)
 
 
-def read_cost_json(path: str, into: Measurements | None = None, *, ctx: int = 1024):
-    """Adds the cells of one JSON file (any accepted format) to `into`."""
+def add_table(m: Measurements, table: VerifyCostTable, source: str) -> Measurements:
+    """Adds every cell of a cost table to `m`."""
+    for i, b in enumerate(table.rows):
+        for j, w in enumerate(table.widths):
+            m.verify[(b, w)] = table.verify_ms[i][j]
+        if table.draft_ms[i] > 0:
+            m.draft[b] = table.draft_ms[i]
+    m.sources.append(source)
+    return m
+
+
+def read_cost_json(path: str, into: Measurements | None = None) -> Measurements:
+    """Adds the cells of one cost file (a cost table, or bare-forward timing rows) to `into`."""
     m = into if into is not None else Measurements()
     with open(path) as f:
         data = json.load(f)
-    if data.get("format") == "adaflash_jax.verify_cost/1":
-        for i, b in enumerate(data["rows"]):
-            for j, w in enumerate(data["widths"]):
-                m.verify[(int(b), int(w))] = float(data["verify_ms"][i][j])
-            if data["draft_ms"][i] > 0:
-                m.draft[int(b)] = float(data["draft_ms"][i])
-    elif "rows" in data:
+    if isinstance(data, dict) and "format" not in data and "rows" in data:
         for r in data["rows"]:
             m.verify[(int(r["batch"]), int(r["width"]))] = float(r["median_ms"])
         for r in data.get("draft_rows", []):
             m.draft[int(r["batch"])] = float(r["median_ms"])
-    elif "target_forward_ms" in data:
-        cells = [c for c in data["target_forward_ms"] if c["ctx"] == ctx]
-        if not cells:
-            raise CostError(f"{path} has no target timings at context {ctx}")
-        for c in cells:
-            m.verify[(int(c["B"]), int(c["T"]))] = float(c["ms"])
-        for c in data.get("drafter_forward_ms", []):
-            if c["ctx"] == ctx:
-                m.draft[int(c["B"])] = float(c["ms"])
-    else:
-        raise CostError(f"{path}: not a verify-cost table, forward-timing rows or forward-ms JSON")
-    m.sources.append(path)
-    return m
+        m.sources.append(path)
+        return m
+    try:
+        return add_table(m, VerifyCostTable.from_json(data), path)
+    except (ValueError, TypeError) as e:
+        raise CostError(f"{path}: {e} (or bare-forward timing rows)") from None
 
 
 @dataclasses.dataclass(frozen=True)

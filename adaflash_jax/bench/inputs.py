@@ -15,6 +15,7 @@ import json
 import os
 
 from adaflash_jax.bench.throughput_bench import BenchError
+from adaflash_jax.model.presets import target_preset
 
 
 def _read_json(path: str) -> dict:
@@ -108,24 +109,13 @@ def micro_setup(root: str, *, block_size: int = 4) -> dict:
     from adaflash_jax.drafter.checkpoint import save_drafter
     from adaflash_jax.drafter.init import drafter_for_target
     from adaflash_jax.model.checkpoint import save_target
-    from adaflash_jax.model.config import TargetConfig
     from adaflash_jax.model.target import TargetLM
     from adaflash_jax.tokenizer import write_byte_tokenizer
 
     target = os.path.join(root, "target")
     if not os.path.isfile(os.path.join(target, "config.json")):
         vocab = write_byte_tokenizer(target)
-        cfg = TargetConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=256,
-            eos_token_id=256,
-        )
+        cfg = target_preset("test", vocab_size=vocab, max_position_embeddings=256, eos_token_id=256)
         save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), target)
     drafters = {}
     for seed, name in enumerate(("stage1", "adaflash")):

@@ -29,6 +29,7 @@ import numpy as np
 
 from adaflash_jax.bench.cost_model import CostModel
 from adaflash_jax.bench.throughput_bench import decode_trace, occupancy, running_per_step
+from adaflash_jax.decode.cost_table import FORMAT
 
 
 @dataclasses.dataclass
@@ -90,12 +91,12 @@ def load_acceptance(path: str, *, domain: str | None = None) -> dict[str, Accept
 
 
 def cost_source(path: str) -> str:
-    """How the projection's header names a cost file: a verify-cost table (a device's
-    calibration, or a TPU table of compiler estimates from `experiments.tpu_compile --serve`)
-    by the device and shapes it records, any other file by its path."""
+    """How the projection's header names a cost file: a cost table (measured on a device, or a
+    TPU table of compiler estimates from `experiments.tpu_compile --serve`) by the device and
+    shapes it records, any other file by its path."""
     with open(path) as f:
         data = json.load(f)
-    if data.get("format") != "adaflash_jax.verify_cost/1":
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         return path
     model = f"; {data['model']}" if data.get("model") else ""
     return f"{path} ({data.get('device', 'unknown device')}{model})"

@@ -105,8 +105,9 @@ def _ideal(rows) -> list[str]:
         "## Concurrency 1: achieved fraction of the ideal speedup",
         "",
         "ideal = τ · t_plain / (t_draft + t_verify(mean width)): t_plain the measured plain "
-        "step (prefill included), t_draft and t_verify from the verify-cost calibration on this "
-        "device; the measured speculative step shows what the engine adds.",
+        "step (prefill included), t_draft + t_verify the engine's drafted loop step from the "
+        "cost table measured on this device; the measured speculative step shows what "
+        "scheduling, prefill and host round trips add.",
         "",
         "| method | τ | ratio to plain | ideal | fraction | plain step ms | draft+verify ms "
         "| measured step ms |",

@@ -19,7 +19,6 @@ from flax import nnx
 
 from adaflash_jax.bench.forward_timing import make_verify_fn, random_state, time_forward
 from adaflash_jax.bench.shapes import weight_bytes
-from adaflash_jax.decode.verify_cost import VerifyCostTable
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 
@@ -94,24 +93,6 @@ def draft_times(
         log(f"draft  B={b:4d} K={drafter.config.block_size:3d}  median "
             f"{rows[-1]['median_ms']:8.2f} ms  first call {first:.1f} s")  # fmt: skip
     return rows
-
-
-def cost_table(rows, draft_rows, *, device: str, model: str) -> VerifyCostTable | None:
-    """A verify-cost table when the (batch, width) grid is complete (else None)."""
-    batches = sorted({r["batch"] for r in rows})
-    widths = sorted({r["width"] for r in rows})
-    cells = {(r["batch"], r["width"]): r["median_ms"] for r in rows}
-    if len(cells) != len(batches) * len(widths):
-        return None
-    draft = {r["batch"]: r["median_ms"] for r in draft_rows}
-    return VerifyCostTable(
-        rows=tuple(batches),
-        widths=tuple(widths),
-        verify_ms=tuple(tuple(cells[(b, w)] for w in widths) for b in batches),
-        draft_ms=tuple(draft.get(b, 0.0) for b in batches),
-        device=device,
-        model=model,
-    )
 
 
 def markdown_grid(rows, floor: float | None = None) -> str:

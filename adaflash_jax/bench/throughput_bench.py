@@ -39,6 +39,7 @@ import numpy as np
 
 from adaflash_jax.decode.bench import summarize
 from adaflash_jax.decode.build import build_engine
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import (
     DEFAULT_BUCKETS,
@@ -47,7 +48,7 @@ from adaflash_jax.decode.slots import (
     has_accept_output,
 )
 from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.verify_cost import VerifyCostTable, calibrate
+from adaflash_jax.decode.step_cost import measure
 
 CPU_CONCURRENCY = (1, 4, 16, 64)
 GPU_CONCURRENCY = (1, 32, 64, 128)
@@ -121,9 +122,6 @@ class BenchSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     adaflash_threshold: int = 48  # the reference rule acts only above this many running rows
     goodput_estimator: str = "confidence"
-    # "engine": goodput's costs measured on each engine's own step (|buckets| + 1 extra loop
-    # compiles per concurrency); "forward": the bench's bare-forward table (cheaper to get)
-    goodput_costs: str = "engine"
     repeats: int = 1
     requests_per_slot: float = 1.0  # a cell has max(prompts, ceil(this · c)) requests
     temperature: float = 0.0
@@ -139,8 +137,6 @@ class BenchSettings:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.requests_per_slot <= 0:
             raise BenchError(f"requests_per_slot must be > 0: {self.requests_per_slot}")
-        if self.goodput_costs not in ("engine", "forward"):
-            raise BenchError(f"goodput_costs must be engine or forward: {self.goodput_costs!r}")
         if self.adaflash_threshold < 0:
             raise BenchError(f"adaflash_threshold must be >= 0: {self.adaflash_threshold}")
 
@@ -233,7 +229,7 @@ class ThroughputBench:
             raise BenchError(f"every domain needs prompts: {sorted(self.prompts)}")
         self.capacity = self._capacity()
         self.cost_tables = dict(cost_tables or {})
-        # goodput uses a given table as it is; otherwise each engine measures its own step
+        # goodput uses a given table as it is; otherwise its engine's row of the measured one
         self.given_tables = dict(cost_tables or {})
         self._engines: dict[tuple, SpeculativeEngine] = {}
 
@@ -251,8 +247,8 @@ class ThroughputBench:
 
     # ---- engines --------------------------------------------------------------------------
     def cost_table(self, name: str) -> VerifyCostTable:
-        """The drafter's verify-cost table at the benchmark's concurrencies and capacity
-        (calibrated once per drafter architecture, unless given)."""
+        """The drafter's cost table at the benchmark's concurrencies and capacity (measured on
+        the engine's loop programs once per drafter architecture, unless given)."""
         if name not in self.cost_tables:
             drafter = self.drafters[name]
             same = [
@@ -266,25 +262,26 @@ class ThroughputBench:
                 widths = bucket_set(self.settings.buckets, drafter.config.block_size)
                 rows = tuple(sorted(set(self.settings.concurrencies)))
                 t0 = time.perf_counter()
-                self.cost_tables[name] = calibrate(
+                self.cost_tables[name] = measure(
                     self.target,
                     drafter,
                     rows=rows,
-                    widths=widths,
                     capacity=self.capacity,
-                    repeats=3,
+                    buckets=widths,
+                    temperature=self.settings.temperature,
+                    rounds=self.settings.repeats + 1,
                 )
                 self.log(
-                    f"calibrated the verify cost of {name!r}: rows {rows} x widths {widths} "
+                    f"measured the step costs of {name!r}: rows {rows} x widths {widths} "
                     f"in {time.perf_counter() - t0:.1f} s"
                 )
         return self.cost_tables[name]
 
-    def goodput_table(self, m: Method) -> VerifyCostTable | None:
-        """A given table as it is; else the bare-forward one, or None: the engine measures."""
+    def goodput_table(self, m: Method, concurrency: int) -> VerifyCostTable:
+        """A given table as it is; else the measured table's row of this concurrency."""
         if m.drafter in self.given_tables:
             return self.given_tables[m.drafter]
-        return self.cost_table(m.drafter) if self.settings.goodput_costs == "forward" else None
+        return self.cost_table(m.drafter).at_rows(concurrency)
 
     def policy_kwargs(self, m: Method) -> dict:
         kw = {}
@@ -305,7 +302,7 @@ class ThroughputBench:
                 capacity=self.capacity,
                 buckets=self.settings.buckets,
                 policy=m.policy or "fixed",
-                cost_table=self.goodput_table(m) if m.policy == "goodput" else None,
+                cost_table=self.goodput_table(m, concurrency) if m.policy == "goodput" else None,
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,
@@ -414,7 +411,7 @@ class ThroughputBench:
         t_start = time.perf_counter()
         result = None
         for name in dict.fromkeys(m.drafter for m in self.methods if m.drafter is not None):
-            self.cost_table(name)  # bare forward costs: the ideal speedup and the projection
+            self.cost_table(name)  # step costs: goodput, the ideal speedup, the projection
         for c in self.settings.concurrencies:
             for domain in self.prompts:
                 plain = None
@@ -524,7 +521,7 @@ def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> N
     measured plain step of the same cell (wall / loop steps, prefill included) and the draft
     and verify times from the drafter's cost table (W̄ = mean verify width, interpolated);
     and the measured ratio to plain as a fraction of it. The gap is what the engine spends
-    per step beyond one draft and one verify forward."""
+    per step beyond its loop step (prefill, scheduling, host round trips)."""
     plain = {r["domain"]: r for r in rows if r["method"] == "plain" and r["concurrency"] == 1}
     for r in rows:
         table = tables.get(r["method"])

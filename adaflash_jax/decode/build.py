@@ -2,21 +2,21 @@
 
     engine = build_engine(target, drafter, slots=4, capacity=512, policy="goodput")
 
-Goodput needs a cost table. Without one, this measures it on the engine's own jitted step
-(`goodput.step_cost`, cached per device and settings) with a first engine, then builds the
-serving engine around the measured table.
+Goodput needs a cost table. Without one, this measures it on the engine's own jitted loop
+programs (`step_cost`, cached per device and settings), then builds the serving engine around
+the measured table.
 """
 
 from __future__ import annotations
 
 import os
 
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
-from adaflash_jax.decode.goodput.step_cost import load_or_calibrate_engine, unit_table
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, LengthPolicy, PolicyError
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.verify_cost import VerifyCostTable
+from adaflash_jax.decode.step_cost import load_or_measure, unit_table
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")
 
@@ -59,8 +59,11 @@ def build_engine(
     k = engine_kwargs.get("block_size") or drafter.config.block_size
     widths = bucket_set(engine_kwargs.get("buckets", DEFAULT_BUCKETS), k)
     placeholder = GoodputPolicy(cost=unit_table(engine_kwargs["slots"], widths), **kwargs)
-    # validates the options, buckets and head outputs before the calibration compute
-    measuring = SpeculativeEngine(target, drafter, **engine_kwargs, policy=placeholder)
-    table = load_or_calibrate_engine(measuring, cache_dir=cache_dir)
+    # validates the options, buckets and head outputs before the measurement's compute
+    e = SpeculativeEngine(target, drafter, **engine_kwargs, policy=placeholder)
+    table = load_or_measure(
+        e.target, e.drafter, rows=(e.slots,), capacity=e.capacity, buckets=e.buckets,
+        temperature=e.temperature, top_p=e.top_p, cache_dir=cache_dir,
+    )  # fmt: skip
     policy = GoodputPolicy(cost=table, **kwargs)
     return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)

@@ -21,40 +21,20 @@ import of the training code. The fields it looks for (all optional except as not
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from adaflash_jax.bench.shapes import shape_config
 from adaflash_jax.distill.config import load_config_file  # noqa: F401 - the one loader
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.presets import PRESETS as TARGET_PRESETS  # noqa: F401 - re-exported
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
 
 # A run config's training attention as the planner models it: the block-sparse path never
 # holds the dense [N·K, S + N·K] scores, which is what "fused" leaves out.
 _ATTENTION = {"sparse": "fused", "dense": "naive"}
-
-
-def qwen3_8b() -> TargetConfig:
-    return shape_config("qwen3-8b")
-
-
-# The named shapes live in one table (adaflash_jax.bench.shapes); the planner plans the
-# full-size ones.
-TARGET_PRESETS = {
-    name: functools.partial(shape_config, name) for name in ("qwen3-1.7b", "qwen3-8b", "qwen3-32b")
-}
-
-
-def target_preset(name: str) -> TargetConfig:
-    try:
-        return TARGET_PRESETS[name.lower()]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown target shape {name!r}; presets: {sorted(TARGET_PRESETS)}"
-        ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

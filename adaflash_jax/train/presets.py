@@ -12,6 +12,23 @@ import dataclasses
 
 from adaflash_jax.data.corpus import CorpusConfig
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
+
+
+def _shape(name: str) -> dict:
+    """The pretraining fields of the registry's target shape `name` (`model/presets.py`)."""
+    t = target_preset(name)
+    return dict(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        num_layers=t.num_hidden_layers,
+        num_heads=t.num_attention_heads,
+        num_kv_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        intermediate_size=t.intermediate_size,
+        tie_embeddings=t.tie_word_embeddings,
+        rope_theta=t.rope_theta,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,14 +111,7 @@ def micro() -> PretrainConfig:
             dialogue_math=40,
             min_eval_prompts=0,
         ),
-        vocab_size=512,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        tie_embeddings=False,
+        **_shape("micro"),
         seq_len=32,
         batch_size=8,
         steps=3,
@@ -118,14 +128,7 @@ def tiny() -> PretrainConfig:
     return PretrainConfig(
         name="tiny",
         corpus=CorpusConfig(),
-        vocab_size=4096,
-        hidden_size=256,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        tie_embeddings=True,
+        **_shape("tiny"),
         seq_len=256,
         batch_size=4,  # more, smaller steps learn faster than fewer big ones at this budget
         steps=300,
@@ -145,14 +148,7 @@ def small() -> PretrainConfig:
         corpus=CorpusConfig(
             code_bytes=6_000_000, prose_bytes=6_000_000, math_problems=8000, dialogue_math=2000
         ),
-        vocab_size=4096,
-        hidden_size=768,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=4,
-        head_dim=64,
-        intermediate_size=2048,
-        tie_embeddings=False,
+        **_shape("small"),
         compute_dtype="bfloat16",
         seq_len=512,
         batch_size=32,

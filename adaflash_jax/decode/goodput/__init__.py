@@ -4,5 +4,6 @@ engine's own step, with a "don't speculate" arm (our policy, not the paper's).
 - `policy.py`: `GoodputPolicy` (the `LengthPolicy` protocol), its acceptance estimators.
 - `calibration.py`: each row's calibration of the estimates to its realised acceptance.
 - `skip.py`: the skip arm's loop programs (undrafted steps, probes, the deferred context).
-- `step_cost.py`: its cost table, measured on the engine's own jitted step.
+
+Its cost table is the engine's (`decode/cost_table.py`, measured by `decode/step_cost.py`).
 """

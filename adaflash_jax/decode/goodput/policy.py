@@ -6,7 +6,7 @@ context positions, nD concatenated target features.
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
 step_ms(W) over the bucket set, where E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each
 row's per-position acceptance estimates a_i (drafts < i accepted) and step_ms is the cost
-table's draft + verify time (`verify_cost.VerifyCostTable`).
+table's draft + verify time (`decode/cost_table.py`).
 
 With `skip_draft` (the "don't speculate" arm), before drafting it compares the best
 expected rate of a drafted step against a plain target step (width 1, no drafter forward),
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.calibration import accepted_by_width, calibrated, update
 from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
-from adaflash_jax.decode.verify_cost import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior

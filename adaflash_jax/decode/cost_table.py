@@ -1,0 +1,131 @@
+"""The cost table: milliseconds of one engine step per (engine rows, verify width), in ONE
+JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the projection read.
+
+Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
+
+Meaning (the engine's own loop program, `step_cost.py`; TPU compiler estimates of the same
+programs, `aot/programs.py`): `verify_ms[·][W=1]` is the plain (undrafted) step, `draft_ms` the
+drafter's block forward, and draft + verify[W] the drafted step verifying W tokens a row.
+
+The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
+the table is static data (tuples, hashable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "adaflash_jax.verify_cost/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyCostTable:
+    rows: tuple[int, ...]  # ascending active-row counts
+    widths: tuple[int, ...]  # ascending verify widths
+    verify_ms: tuple[tuple[float, ...], ...]  # [NR][NW] target forward over W tokens per row
+    draft_ms: tuple[float, ...]  # [NR] drafter block forward (same for every width)
+    # one device call's own overhead (dispatch, loop entry, host fetch): what a host switch
+    # between loop programs costs (0 where unknown)
+    switch_ms: float = 0.0
+    # one probe of goodput's undrafted program (the drafter forward, context flush and loop
+    # exit); None: the draft time
+    probe_ms: float | None = None
+    device: str = "unknown"
+    model: str = ""  # free-form description of the shapes measured
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        object.__setattr__(
+            self, "verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms)
+        )
+        object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
+        object.__setattr__(self, "switch_ms", float(self.switch_ms))
+        if self.probe_ms is not None:
+            object.__setattr__(self, "probe_ms", float(self.probe_ms))
+            if not self.probe_ms >= 0:
+                raise ValueError(f"probe_ms must be non-negative: {self.probe_ms}")
+        if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
+        if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
+            raise ValueError(f"cost table widths must be ascending positive ints: {self.widths}")
+        if len(self.verify_ms) != len(self.rows) or any(
+            len(r) != len(self.widths) for r in self.verify_ms
+        ):
+            raise ValueError("verify_ms must have one row per row count and one entry per width")
+        if len(self.draft_ms) != len(self.rows):
+            raise ValueError("draft_ms must have one entry per row count")
+        if min(min(r) for r in self.verify_ms) <= 0 or min(self.draft_ms) < 0:
+            raise ValueError("verify times must be positive and draft times non-negative")
+        if not self.switch_ms >= 0:
+            raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
+
+    # ---- lookups ------------------------------------------------------------------------
+    def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
+        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
+        traceable): linear in the row count between measured rows, clamped outside."""
+        cols = [self.widths.index(w) for w in widths]
+        verify_NRxNW = jnp.asarray(self.verify_ms, jnp.float32)[:, jnp.asarray(cols)]
+        rows_NR = jnp.asarray(self.rows, jnp.float32)
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        return jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
+
+    def draft_step_ms(self, num_rows) -> jax.Array:
+        """The drafter's block forward for `num_rows` active rows (jnp scalar, traceable)."""
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        rows_NR = jnp.asarray(self.rows, jnp.float32)
+        return jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
+
+    def probe_step_ms(self, num_rows) -> jax.Array:
+        """One probe's cost (jnp scalar): measured, else the drafter's block forward."""
+        if self.probe_ms is not None:
+            return jnp.asarray(self.probe_ms, jnp.float32)
+        return self.draft_step_ms(num_rows)
+
+    def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
+        """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""
+        return self.verify_step_ms(num_rows, widths) + self.draft_step_ms(num_rows)
+
+    def at_rows(self, rows: int) -> VerifyCostTable:
+        """The one-row table of a measured row count (an engine's step costs the same however
+        many of its slots are active)."""
+        if rows not in self.rows:
+            raise ValueError(f"cost table has rows {self.rows}, not {rows}")
+        i = self.rows.index(rows)
+        one = dict(rows=(rows,), verify_ms=(self.verify_ms[i],), draft_ms=(self.draft_ms[i],))
+        return dataclasses.replace(self, **one)
+
+    def verify(self, rows: int, width: int) -> float:
+        """Host lookup of the measured verify ms (interpolated in rows)."""
+        col = [r[self.widths.index(width)] for r in self.verify_ms]
+        return float(np.interp(rows, self.rows, col))
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> VerifyCostTable:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a cost table: format {got!r}, expected {FORMAT!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def save(self, path: str | os.PathLike) -> None:
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> VerifyCostTable:
+        with open(path) as f:
+            return cls.from_json(json.load(f))

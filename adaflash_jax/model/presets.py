@@ -1,0 +1,61 @@
+"""One registry of target shapes: name → `TargetConfig` factory.
+
+The unit tests' model (`test`), the embedded pretraining targets (`micro`, `tiny`, `small`:
+their vocabulary is the preset's BPE size; `train/presets.py` reads the rest of the shape
+here) and the real targets whose shapes the benchmarks (random weights), the planner and the
+TPU compiles use (`qwen3-1.7b`, `qwen3-8b`, `qwen3-32b`). Names are CLI names (`--shape`,
+`target_shape`): keep them stable. Add a shape by adding an entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from adaflash_jax.model.config import ConfigError, TargetConfig
+
+
+def _dense(v, d, f, layers, heads, kv, dh, *, tied=False, **kw) -> TargetConfig:
+    """V, D, F, L, H, Kv, Dh of a dense Llama/Qwen3 target."""
+    return TargetConfig(
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=dh,
+        tie_word_embeddings=tied,
+        **kw,
+    )
+
+
+def _qwen3(d, f, layers, heads, *, tied=False) -> TargetConfig:
+    """Qwen3 dense: V 151936, 8 kv heads of 128, 40960 positions."""
+    return _dense(151936, d, f, layers, heads, 8, 128, tied=tied, max_position_embeddings=40960)
+
+
+PRETRAIN_ROPE = 10_000.0  # the embedded targets' RoPE base
+
+PRESETS: dict[str, Callable[[], TargetConfig]] = {
+    # the unit tests' target (D 32, 2 layers): seconds to compile on a CPU
+    "test": lambda: _dense(128, 32, 64, 2, 4, 2, 8),
+    # the pretraining presets' targets (`train/presets.py`); micro is also the random CPU
+    # benchmark model, tiny (~4M parameters) ties its embeddings, small is ~80M
+    "micro": lambda: _dense(512, 64, 128, 2, 4, 2, 16, rope_theta=PRETRAIN_ROPE),
+    "tiny": lambda: _dense(4096, 256, 768, 4, 4, 2, 64, tied=True, rope_theta=PRETRAIN_ROPE),
+    "small": lambda: _dense(4096, 768, 2048, 12, 12, 4, 64, rope_theta=PRETRAIN_ROPE),
+    "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32),
+    "qwen3-32b": lambda: _qwen3(5120, 25600, 64, 64),
+}
+
+
+def target_preset(name: str, **overrides) -> TargetConfig:
+    """The named shape (case-insensitive), with `overrides` of its fields (e.g. the test
+    shape with another vocabulary)."""
+    try:
+        cfg = PRESETS[name.lower()]()
+    except KeyError:
+        raise ConfigError(f"unknown target shape {name!r}; presets: {sorted(PRESETS)}") from None
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
