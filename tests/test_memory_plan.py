@@ -128,8 +128,10 @@ def test_formulas_scale_as_documented():
     assert estimate(_inputs(attention="fused")).term("drafter attention scores (naive)") == 0
     assert estimate(_inputs(remat=True)).phase_bytes("train") < p.phase_bytes("train")
     kv = estimate(_inputs(collect_slots=16)).term("target KV cache")
-    # every slot on every device (the engine does not split its caches over the mesh)
-    assert kv == 36 * 2 * 16 * 1024 * 8 * 128 * 2  # L * (k,v) * slots * C * Kv * Dh * bf16
+    # slots split over data·fsdp = 8 (sharding.rows): 2 rows per device
+    assert kv == 36 * 2 * 2 * 1024 * 8 * 128 * 2  # L * (k,v) * rows * C * Kv * Dh * bf16
+    kv = estimate(_inputs(collect_slots=12)).term("target KV cache")
+    assert kv == 36 * 2 * 12 * 1024 * 8 * 128 * 2  # indivisible: every slot on every device
     assert p.peak_bytes == p.phase_bytes("persistent") + max(
         p.phase_bytes("train"), p.phase_bytes("collect")
     )

@@ -101,11 +101,9 @@ class PlanInputs:
 
     @property
     def collect_shards(self) -> int:
-        """Shards the collection rows are split into: none. The engine creates its caches and
-        buffers unsharded (`decode.state.init_state`), so the compiler keeps every slot
-        on every chip: the compiled 8B engine step at 256 slots on v5p-64 holds all 256
-        rows' caches on each chip (BENCHMARKS.md, TPU section). Change this with the engine."""
-        return 1
+        """Shards the collection rows are split into: the run's batch axes (data · fsdp) when
+        they divide the slots (`sharding.rows.RowLayout`), else none (every chip holds all)."""
+        return self.batch_shards if self.slots % self.batch_shards == 0 else 1
 
     @property
     def slots(self) -> int:

@@ -6,8 +6,8 @@ Dimensions: B sequences per batch shard (batch_size / (data*fsdp)), S sequence l
 N anchors per sequence (Nc of them with live logits), K block size, Q = N*K drafter block
 tokens, D width, F MLP width (F_t = F/t when the tensor axis t divides it), H/Kv query/kv
 heads (H_t, Kv_t likewise), Dh head dim, V vocab (V_t), L target layers, Ld drafter layers,
-n feature layers, R collection rows per device (all slots: the engine does not split them
-over the mesh), C cache capacity, P prompt length, a bytes per activation (bf16: 2).
+n feature layers, R collection rows per device (slots / (data·fsdp) when that divides, else
+all: `PlanInputs.collect_shards`), C cache capacity, P prompt length, a bytes per activation (bf16: 2).
 
 Formulas, per device (`estimate` computes exactly these):
   persistent  target params   Σ shard(w) * a            (compute dtype, as load_target; rules:
