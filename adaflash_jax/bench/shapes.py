@@ -37,6 +37,24 @@ SHAPES = {
         max_position_embeddings=40960,
         tie_word_embeddings=True,
     ),
+    # Qwen3-30B-A3B (HF config.json): 48 layers, D 2048, 32 q / 4 kv heads of 128, every
+    # layer a mixture of 128 experts of F 768, 8 per token, renormalised; the dense
+    # intermediate_size (6144) is unused by the target but sizes a DFlash drafter.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
     "tiny": dict(
         vocab_size=512,
         hidden_size=64,
@@ -49,10 +67,16 @@ SHAPES = {
 }
 
 
+# Qwen3-Coder-30B-A3B: the same network with a longer context (rope theta 1e7, 256k positions).
+SHAPES["qwen3-coder-30b-a3b"] = dict(
+    SHAPES["qwen3-30b-a3b"], rope_theta=10_000_000.0, max_position_embeddings=262144
+)
+
+
 def shape_config(name: str) -> TargetConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
-    return TargetConfig(model_type="qwen3", **SHAPES[name])
+    return TargetConfig(**{"model_type": "qwen3", **SHAPES[name]})
 
 
 def weight_bytes(cfg: TargetConfig, bytes_per_param: int = 2) -> int:
@@ -60,6 +84,8 @@ def weight_bytes(cfg: TargetConfig, bytes_per_param: int = 2) -> int:
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qo = 2 * d * cfg.num_attention_heads * cfg.head_dim
     kv = 2 * d * cfg.num_key_value_heads * cfg.head_dim
-    per_layer = qo + kv + 3 * d * f + 2 * d + 2 * cfg.head_dim
+    attn = qo + kv + 2 * d + 2 * cfg.head_dim
+    moe = cfg.num_experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
+    mlps = sum(moe if cfg.is_moe_layer(i) else 3 * d * f for i in range(cfg.num_hidden_layers))
     emb = v * d * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_hidden_layers * per_layer + emb + d) * bytes_per_param
+    return (cfg.num_hidden_layers * attn + mlps + emb + d) * bytes_per_param

@@ -44,7 +44,8 @@ def qwen3_8b() -> TargetConfig:
 # The named shapes live in one table (adaflash_jax.bench.shapes); the planner plans the
 # full-size ones.
 TARGET_PRESETS = {
-    name: functools.partial(shape_config, name) for name in ("qwen3-1.7b", "qwen3-8b", "qwen3-32b")
+    name: functools.partial(shape_config, name)
+    for name in ("qwen3-1.7b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-coder-30b-a3b")
 }
 
 
