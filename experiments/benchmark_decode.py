@@ -35,8 +35,9 @@ from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_targ
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM
 
-# Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`.
-CPU_SHAPES = ("tiny",)
+# Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`. "tiny-moe" has
+# tiny's active parameters per token (a mixture of experts against its dense twin).
+CPU_SHAPES = ("tiny", "tiny-moe")
 
 
 def build_random_target(shape: str, *, dtype=jnp.float32, seed: int = 0) -> TargetLM:

@@ -122,3 +122,18 @@ def test_default_feature_layers_of_a_48_layer_target():
     dcfg = DrafterConfig.for_target(target, mask_token_id=151669, num_layers=8)
     assert dcfg.target_layer_ids == (1, 12, 23, 34, 45)
     assert (dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_key_value_heads) == (2048, 6144, 4)
+
+
+def test_mfu_counts_active_expert_flops():
+    """A token multiplies the router and its k experts only: tiny-moe (8 experts of F 64,
+    2 per token) costs its dense twin (F 128) plus the router, 2·D·E per token per layer."""
+    from adaflash_jax.aot import flops
+    from adaflash_jax.bench.shapes import shape_config
+
+    moe, dense = shape_config("tiny-moe"), shape_config("tiny")
+    b, s = 3, 40
+    extra = flops.target_forward(moe, b, s) - flops.target_forward(dense, b, s)
+    assert extra == 2.0 * b * s * moe.num_hidden_layers * moe.hidden_size * moe.num_experts
+    a3b = shape_config("qwen3-30b-a3b")  # 3.3e9 active of 30.5e9 (with the embedding, head)
+    active = sum(flops.target_layer_active(a3b, i) for i in range(48)) + 2 * 151936 * 2048
+    assert 3.3e9 < active < 3.4e9

@@ -72,6 +72,16 @@ SHAPES["qwen3-coder-30b-a3b"] = dict(
     SHAPES["qwen3-30b-a3b"], rope_theta=10_000_000.0, max_position_embeddings=262144
 )
 
+# "tiny" as a mixture of 8 experts of F 64, 2 per token: the same active MLP weights per
+# token as tiny's dense F 128 (plus a 64 x 8 router), 4x the MLP weights in all.
+SHAPES["tiny-moe"] = dict(
+    SHAPES["tiny"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+)
+
 
 def shape_config(name: str) -> TargetConfig:
     if name not in SHAPES:
