@@ -54,13 +54,13 @@ def _programs(args, mesh):
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from adaflash_jax.bench.shapes import shape_config
     from adaflash_jax.distill.state import abstract_drafter, tree_shardings
     from adaflash_jax.drafter.config import DrafterConfig
     from adaflash_jax.drafter.train_attention import prefix_attention
+    from adaflash_jax.model.presets import target_preset
     from adaflash_jax.sharding.rules import TRAIN_RULES
 
-    target = shape_config(args.shape)
+    target = target_preset(args.shape)
     batch = args.batch * mesh.shape["data"] * mesh.shape["fsdp"]
     s, n, k = args.seq, args.anchors, args.block
     bf16 = jnp.bfloat16

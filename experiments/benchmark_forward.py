@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.bench.forward_timing import make_verify_fn, random_target, time_forward
-from adaflash_jax.bench.shapes import shape_config, weight_bytes
+from adaflash_jax.bench.shapes import weight_bytes
 from adaflash_jax.cli import one_line_errors
+from adaflash_jax.model.presets import target_preset
 
 
 def main(argv=None) -> None:
@@ -27,7 +28,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="write rows to this path")
     a = p.parse_args(argv)
     with one_line_errors("error", ValueError):
-        cfg = shape_config(a.shape)
+        cfg = target_preset(a.shape)
     graphdef, state = random_target(cfg, jnp.bfloat16)
     floor_ms = weight_bytes(cfg) / (a.bandwidth_tbs * 1e12) * 1e3
     print(f"{a.shape} on {jax.devices()[0].device_kind}: weight-read floor {floor_ms:.2f} ms")

@@ -2,6 +2,7 @@
 eval_shape, so nothing is allocated), its sharded sizes against real NamedShardings, its
 formulas' scaling, its advice, and its CLI."""
 
+import dataclasses
 import functools
 import types
 
@@ -29,6 +30,15 @@ from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES, state_shardin
 from experiments import plan as plan_cli
 
 TINY = target_preset("test", vocab_size=96, intermediate_size=48, num_key_value_heads=1)
+# A tiny mixture of experts: 6 experts (split over fsdp 2), layer 1 dense.
+TINY_MOE = dataclasses.replace(
+    TINY,
+    model_type="qwen3_moe",
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    mlp_only_layers=(1,),
+)
 
 
 def _abstract_params(module_fn):
@@ -45,7 +55,11 @@ def _signature(shape, axes):
     return (tuple(shape), tuple(axes))
 
 
-@pytest.mark.parametrize("cfg", [target_preset("qwen3-8b"), TINY], ids=["qwen3-8b", "tiny"])
+@pytest.mark.parametrize(
+    "cfg",
+    [target_preset("qwen3-8b"), TINY, TINY_MOE, target_preset("qwen3-30b-a3b")],
+    ids=["qwen3-8b", "tiny", "tiny-moe", "qwen3-30b-a3b"],
+)
 def test_target_param_bytes_equal_eval_shape(cfg):
     leaves, _ = _abstract_target(cfg)
     real = sum(v.get_value().size * v.get_value().dtype.itemsize for v in leaves)
@@ -55,12 +69,14 @@ def test_target_param_bytes_equal_eval_shape(cfg):
     assert got == want
     if cfg.hidden_size == 4096:  # Qwen3-8B: 8.19e9 parameters, 16.4 GB in bf16
         assert sum(s.size for s in target_params(cfg)) == 8_190_735_360
+    if cfg.num_experts == 128:  # Qwen3-30B-A3B: 30.5e9 parameters
+        assert sum(s.size for s in target_params(cfg)) == 30_532_122_624
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 8, 1)])
 @pytest.mark.parametrize("rules", [TRAIN_RULES, DECODE_RULES], ids=["train", "decode"])
 def test_per_device_bytes_equal_real_shardings(mesh, rules):
-    for cfg in (TINY, target_preset("qwen3-1.7b")):
+    for cfg in (TINY, TINY_MOE, target_preset("qwen3-1.7b")):
         _, state = _abstract_target(cfg)
         real_mesh = jax.make_mesh(
             mesh, ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3

@@ -6,8 +6,10 @@ Dh head dim, V vocab, L target layers, Ld drafter layers, nD concatenated featur
 
 What counts as useful (a multiply-add is 2 FLOPs):
 - target forward over all B·S tokens: every layer's matmuls (2 · layer matmul weights per
-  token) and causal attention (QKᵀ and PV over the S·(S+1)/2 visible pairs: 4·H·Dh per pair);
-  no LM head over the sequence (the step never computes those logits);
+  token; a mixture-of-experts layer counts its ACTIVE weights: the router's D·E and the k
+  routed experts' 3·D·F each, never the other E − k experts) and causal attention (QKᵀ
+  and PV over the S·(S+1)/2 visible pairs: 4·H·Dh per pair); no LM head over the sequence
+  (the step never computes those logits);
 - teacher logits (stage 2): 2·D·V at each of the B·N·P label positions;
 - drafter forward: the feature projection (2·nD·D per context token), every layer's context
   keys/values (2·D·2·Kv·Dh per context token), its matmuls over the B·N·K block tokens, and
@@ -32,14 +34,19 @@ def _layer_matmul(d: int, f: int, h: int, kv: int, dh: int) -> int:
     return 2 * d * h * dh + 2 * d * kv * dh + 3 * d * f
 
 
+def target_layer_active(t: TargetConfig, layer: int) -> int:
+    """Matmul weights one token multiplies in target layer `layer` (active parameters)."""
+    d, h, kv, dh = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    if not t.is_moe_layer(layer):
+        return _layer_matmul(d, t.intermediate_size, h, kv, dh)
+    routed = t.num_experts_per_tok * 3 * d * t.moe_intermediate_size
+    return _layer_matmul(d, 0, h, kv, dh) + d * t.num_experts + routed
+
+
 def target_forward(t: TargetConfig, b: int, s: int) -> float:
-    per_layer = _layer_matmul(
-        t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads,
-        t.head_dim,
-    )  # fmt: skip
-    matmul = 2.0 * per_layer * b * s
+    active = sum(target_layer_active(t, i) for i in range(t.num_hidden_layers))
     attention = 4.0 * t.num_attention_heads * t.head_dim * b * s * (s + 1) / 2
-    return t.num_hidden_layers * (matmul + attention)
+    return 2.0 * active * b * s + t.num_hidden_layers * attention
 
 
 def drafter_forward(dc: DrafterConfig, b: int, s: int, n: int) -> float:

@@ -2,13 +2,14 @@
 
 Weights go straight from a memory map onto their devices: with a mesh, each device reads
 only its own slice, so a large target never sits whole in one host buffer or one device.
+A Qwen3-MoE layer's experts are stored one tensor per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) and stacked here into [E, ...] arrays.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import Mesh
 
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.moe import MoEBlock
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rules import DECODE_RULES, Rules, variable_sharding
 
@@ -54,9 +56,29 @@ def layer_param_table(layer, prefix: str) -> dict[str, tuple[nnx.Variable, bool]
     if attn.q_norm is not None:
         table[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
         table[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+    if isinstance(layer.mlp, MoEBlock):
+        table[f"{prefix}mlp.gate.weight"] = (layer.mlp.gate.kernel, True)
+        return table
     for name in ("gate_proj", "up_proj", "down_proj"):
         table[f"{prefix}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
     return table
+
+
+def expert_param_table(model: TargetLM) -> list[tuple[nnx.Variable, list[str]]]:
+    """Each stacked [E, in, out] expert weight with its E HF tensor names (expert order),
+    every one stored transposed as [out, in]."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, MoEBlock):
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            var = getattr(layer.mlp, name)
+            names = [
+                f"model.layers.{i}.mlp.experts.{e}.{name}.weight"
+                for e in range(var.get_value().shape[0])
+            ]
+            out.append((var, names))
+    return out
 
 
 def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
@@ -102,8 +124,9 @@ def load_target(
     model = nnx.eval_shape(
         lambda: TargetLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
     )
-    table = hf_param_table(model)
+    table, experts = hf_param_table(model), expert_param_table(model)
     expected, present = set(table), set(files)
+    expected.update(name for _, names in experts for name in names)
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters write the tied copy anyway
     present = {n for n in present if not n.endswith("rotary_emb.inv_freq")}
@@ -118,30 +141,45 @@ def load_target(
             + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         )
     for name, (var, transpose) in table.items():
-        f = files[name]
-        want = tuple(var.get_value().shape)
-        got = f.shape(name)
-        if (got[::-1] if transpose else got) != want:
-            hf_want = want[::-1] if transpose else want
-            raise CheckpointError(
-                f"tensor {name!r} has shape {list(got)} but config.json implies {list(hf_want)}"
-            )
-        if f.dtype(name) not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"tensor {name!r} has dtype {f.dtype(name)}; expected a floating dtype"
-            )
-        var.set_value(_materialise(f.get(name), transpose, var, param_dtype, mesh, rules))
+        view = _checked_view(files, name, transpose, tuple(var.get_value().shape))
+        var.set_value(_materialise([view], False, var, param_dtype, mesh, rules))
+    for var, names in experts:
+        want = tuple(var.get_value().shape[1:])
+        views = [_checked_view(files, name, True, want) for name in names]
+        var.set_value(_materialise(views, True, var, param_dtype, mesh, rules))
     return model
 
 
-def _materialise(mm: np.ndarray, transpose: bool, var, param_dtype, mesh, rules) -> jax.Array:
-    view = mm.T if transpose else mm
+def _checked_view(files, name: str, transpose: bool, want: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` (memory-mapped) in our layout, after checking its shape and dtype."""
+    f = files[name]
+    got = f.shape(name)
+    if (got[::-1] if transpose else got) != want:
+        hf_want = want[::-1] if transpose else want
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(got)} but config.json implies {list(hf_want)}"
+        )
+    if f.dtype(name) not in _FLOAT_DTYPES:
+        raise CheckpointError(
+            f"tensor {name!r} has dtype {f.dtype(name)}; expected a floating dtype"
+        )
+    return f.get(name).T if transpose else f.get(name)
+
+
+def _materialise(views: list, stacked: bool, var, param_dtype, mesh, rules) -> jax.Array:
+    """One array from one view, or (`stacked`) from one view per expert stacked on axis 0;
+    with a mesh, each device reads only its slice of the views."""
     np_dtype = np.dtype(param_dtype)
+
+    def read(idx) -> np.ndarray:
+        if not stacked:
+            return np.asarray(views[0][idx], dtype=np_dtype)
+        return np.stack([np.asarray(v[idx[1:]], dtype=np_dtype) for v in views[idx[0]]])
+
+    shape = (len(views), *views[0].shape) if stacked else views[0].shape
     if mesh is None:
-        return jnp.asarray(np.asarray(view, dtype=np_dtype))
-    sharding = variable_sharding(var, mesh, rules)
-    read: Callable = lambda idx: np.asarray(view[idx], dtype=np_dtype)  # noqa: E731
-    return jax.make_array_from_callback(view.shape, sharding, read)
+        return jnp.asarray(read(tuple(slice(None) for _ in shape)))
+    return jax.make_array_from_callback(shape, variable_sharding(var, mesh, rules), read)
 
 
 def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None:
@@ -154,6 +192,12 @@ def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None
         if dtype is not None:
             arr = arr.astype(np.dtype(dtype))
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    for var, names in expert_param_table(model):
+        arr = np.asarray(jax.device_get(var.get_value()))
+        if dtype is not None:
+            arr = arr.astype(np.dtype(dtype))
+        for e, name in enumerate(names):
+            tensors[name] = np.ascontiguousarray(arr[e].T)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = model.config.to_hf_dict()
     saved_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype

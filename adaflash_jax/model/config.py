@@ -1,7 +1,8 @@
 """Target LLM configuration, read from and written to HuggingFace `config.json`.
 
-Covers the dense Llama and Qwen3 families (docs/design.md §2). The config is architecture only;
-dtypes are chosen when a model is built or loaded.
+Covers the dense Llama and Qwen3 families (docs/design.md §2) and Qwen3-MoE (`qwen3_moe`: per layer
+either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/moe.py`). The
+config is architecture only; dtypes are chosen when a model is built or loaded.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 
 
 class ConfigError(ValueError):
@@ -48,8 +54,17 @@ class TargetConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (qwen3_moe only; 0 experts = every layer dense). Layer i is sparse
+    # unless it is in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
@@ -72,11 +87,46 @@ class TargetConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self._check_experts()
+
+    def _check_experts(self):
+        if self.model_type != "qwen3_moe":
+            if self.num_experts:
+                raise ConfigError(
+                    f"num_experts needs model_type 'qwen3_moe', not {self.model_type!r}"
+                )
+            return
+        if self.num_experts < 0 or self.decoder_sparse_step < 1:
+            raise ConfigError(
+                f"num_experts ({self.num_experts}) must be >= 0 and decoder_sparse_step "
+                f"({self.decoder_sparse_step}) >= 1"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ConfigError(
+                f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}"
+            )
+        if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]:
+            raise ConfigError(
+                f"mlp_only_layers {bad} are outside the target's {self.num_hidden_layers} layers"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (HF Qwen3MoeDecoderLayer's rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def qk_norm(self) -> bool:
         """Qwen3 normalises each query/key head before RoPE; Llama does not."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -117,7 +167,9 @@ class TargetConfig:
             raise ConfigError(f"config.json is missing required fields: {missing}")
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        default_theta = 1_000_000.0 if model_type == "qwen3" else 10_000.0
+        if cfg.get("use_sliding_window"):
+            raise ConfigError("config.json sets use_sliding_window=true, which is not supported")
+        default_theta = 10_000.0 if model_type == "llama" else 1_000_000.0
         rope_theta, rope_scaling = read_rope(cfg, default_theta)
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
@@ -134,10 +186,11 @@ class TargetConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen3")),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            **(_experts_from_hf(cfg) if model_type == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -151,9 +204,8 @@ class TargetConfig:
             return cls.from_hf_dict(json.load(f))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
         out: dict[str, Any] = {
-            "architectures": [arch],
+            "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -173,12 +225,40 @@ class TargetConfig:
             "torch_dtype": "float32",
             "use_cache": True,
         }
+        if self.model_type == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             eos = self.eos_token_id
             out["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
         return out
+
+
+def _experts_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A qwen3_moe config.json's expert fields (transformers >= 5 writes `num_local_experts`;
+    the published checkpoints say `num_experts`). The router's aux loss is training-only."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None or "num_experts_per_tok" not in cfg or "moe_intermediate_size" not in cfg:
+        raise ConfigError(
+            "a qwen3_moe config.json needs num_experts, num_experts_per_tok and "
+            "moe_intermediate_size"
+        )
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:

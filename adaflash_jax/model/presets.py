@@ -3,7 +3,8 @@
 The unit tests' model (`test`), the embedded pretraining targets (`micro`, `tiny`, `small`:
 their vocabulary is the preset's BPE size; `train/presets.py` reads the rest of the shape
 here) and the real targets whose shapes the benchmarks (random weights), the planner and the
-TPU compiles use (`qwen3-1.7b`, `qwen3-8b`, `qwen3-32b`). Names are CLI names (`--shape`,
+TPU compiles use (`qwen3-1.7b`, `qwen3-8b`, `qwen3-32b`, and the mixture-of-experts
+`qwen3-30b-a3b`, `qwen3-coder-30b-a3b`). Names are CLI names (`--shape`,
 `target_shape`): keep them stable. Add a shape by adding an entry.
 """
 
@@ -35,6 +36,21 @@ def _qwen3(d, f, layers, heads, *, tied=False) -> TargetConfig:
     return _dense(151936, d, f, layers, heads, 8, 128, tied=tied, max_position_embeddings=40960)
 
 
+def _qwen3_moe(**kw) -> TargetConfig:
+    """Qwen3-30B-A3B (HF config.json): 48 layers, D 2048, 32 q / 4 kv heads of 128, every
+    layer a mixture of 128 experts of F 768, 8 per token, renormalised; the dense F 6144 is
+    unused by the target but sizes a DFlash drafter."""
+    base = _dense(151936, 2048, 6144, 48, 32, 4, 128, max_position_embeddings=40960)
+    return dataclasses.replace(base, **_MOE_30B, **kw)
+
+
+_MOE_30B = dict(
+    model_type="qwen3_moe",
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
 PRETRAIN_ROPE = 10_000.0  # the embedded targets' RoPE base
 
 PRESETS: dict[str, Callable[[], TargetConfig]] = {
@@ -48,6 +64,19 @@ PRESETS: dict[str, Callable[[], TargetConfig]] = {
     "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tied=True),
     "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32),
     "qwen3-32b": lambda: _qwen3(5120, 25600, 64, 64),
+    "qwen3-30b-a3b": _qwen3_moe,
+    "qwen3-coder-30b-a3b": lambda: _qwen3_moe(
+        rope_theta=10_000_000.0, max_position_embeddings=262144
+    ),
+    # micro as a mixture of 8 experts of F 64, 2 per token: micro's active MLP weights per
+    # token (plus a 64 x 8 router), 4x its MLP weights in all (the CPU MoE benchmark)
+    "micro-moe": lambda: dataclasses.replace(
+        PRESETS["micro"](),
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),  # fmt: skip
 }
 
 

@@ -1,4 +1,4 @@
-"""The frozen target LLM: a Llama / Qwen3 dense decoder in Flax NNX (docs/design.md §2).
+"""The frozen target LLM: a Llama / Qwen3 / Qwen3-MoE decoder in Flax NNX (docs/design.md §2).
 
 Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
 H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
@@ -15,6 +15,7 @@ one of two cache modes:
   every step. Read mode keeps the cache out of the branch's outputs; the engine writes the
   new entries once, after the switch (`KVCache.write`).
 It can return the outputs of chosen decoder layers, the drafter's context features.
+A Qwen3-MoE layer differs only in its MLP (`model/moe.py`), chosen per layer by the config.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from adaflash_jax.model.layers import (
     attend_cached,
     normal_init,
 )
+from adaflash_jax.model.moe import MoEBlock
 
 CACHE_MODES = ("write", "read")
 
@@ -88,14 +90,23 @@ class Attention(AttentionProjections):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
-        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
-        self.mlp = SwiGLU(
-            cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
-        )
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoEBlock(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                **kw,
+            )
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def __call__(self, x, positions, mask, cache_kv=None, lengths_B=None):
         attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, lengths_B)
@@ -121,8 +132,8 @@ class TargetLM(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-                for _ in range(config.num_hidden_layers)
+                DecoderLayer(config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for i in range(config.num_hidden_layers)
             ]
         )
         self.norm = RMSNorm(

@@ -7,7 +7,8 @@ N anchors per sequence (Nc of them with live logits), K block size, Q = N*K draf
 tokens, D width, F MLP width (F_t = F/t when the tensor axis t divides it), H/Kv query/kv
 heads (H_t, Kv_t likewise), Dh head dim, V vocab (V_t), L target layers, Ld drafter layers,
 n feature layers, R collection rows per device (slots / (data·fsdp) when that divides, else
-all: `PlanInputs.collect_shards`), C cache capacity, P prompt length, a bytes per activation (bf16: 2).
+all: `PlanInputs.collect_shards`), C cache capacity, P prompt length, a bytes per activation
+(bf16: 2).
 
 Formulas, per device (`estimate` computes exactly these):
   persistent  target params   Σ shard(w) * a            (compute dtype, as load_target; rules:

@@ -118,15 +118,7 @@ def target_params(cfg: TargetConfig) -> list[ParamSpec]:
     d, v = cfg.hidden_size, cfg.vocab_size
     out = [ParamSpec("embed_tokens", (v, d), ("vocab", "embed"))]
     for i in range(cfg.num_hidden_layers):
-        out += _decoder_layer(
-            f"layers.{i}.",
-            d,
-            cfg.intermediate_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.qk_norm,
-        )
+        out += _target_layer(cfg, i, f"layers.{i}.")
     out.append(ParamSpec("norm", (d,), ("norm",)))
     if not cfg.tie_word_embeddings:
         out.append(ParamSpec("lm_head", (d, v), ("embed", "vocab")))
@@ -134,16 +126,35 @@ def target_params(cfg: TargetConfig) -> list[ParamSpec]:
 
 
 def target_layer_params(cfg: TargetConfig) -> list[ParamSpec]:
-    """One decoder layer: what an FSDP forward gathers at a time."""
-    return _decoder_layer(
-        "",
-        cfg.hidden_size,
-        cfg.intermediate_size,
+    """One decoder layer (a mixture-of-experts one if the target has any): what an FSDP
+    forward gathers at a time."""
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    return _target_layer(cfg, moe[0] if moe else 0, "")
+
+
+def _target_layer(cfg: TargetConfig, layer: int, prefix: str) -> list[ParamSpec]:
+    """Target layer `layer`: a Qwen3/Llama layer, its MLP swapped for the router and the
+    stacked experts (`model/moe.py`) when the layer is sparse."""
+    d, moe = cfg.hidden_size, cfg.is_moe_layer(layer)
+    p = _decoder_layer(
+        prefix,
+        d,
+        0 if moe else cfg.intermediate_size,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
         cfg.qk_norm,
     )
+    if not moe:
+        return p
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
+    p = [s for s in p if not s.name.endswith(("gate_proj", "up_proj", "down_proj"))]
+    return p + [
+        ParamSpec(prefix + "gate", (d, e), ("embed", None)),
+        ParamSpec(prefix + "experts.gate_proj", (e, d, f), ("expert", "embed", "expert_mlp")),
+        ParamSpec(prefix + "experts.up_proj", (e, d, f), ("expert", "embed", "expert_mlp")),
+        ParamSpec(prefix + "experts.down_proj", (e, f, d), ("expert", "expert_mlp", "embed")),
+    ]
 
 
 def drafter_params(shape: DrafterShape) -> list[ParamSpec]:

@@ -1,7 +1,8 @@
 """Logical-axis → mesh-axis rule tables, in ONE place (docs/design.md §8.2, maxtext rules-as-data).
 
 Parameters name their axes logically (`vocab`, `embed`, `q_heads`, `kv_heads`, `mlp`,
-`norm`, `features`, ...). A rule table maps each logical name to a mesh axis, a tuple of
+`norm`, `features`, and for a mixture of experts' stacked weights `expert` (E) and
+`expert_mlp` (each expert's F), ...). A rule table maps each logical name to a mesh axis, a tuple of
 mesh axes, or None (replicated). A mapping is dropped for a dimension it does not divide,
 so small models (and kv heads fewer than the tensor axis) still shard correctly.
 """
@@ -25,6 +26,8 @@ TRAIN_RULES: Rules = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": "fsdp",  # whole experts per fsdp shard (gathered per layer, as any fsdp weight)
+    "expert_mlp": "tensor",
     "features": "fsdp",
     "norm": None,
     "head_hidden": None,
@@ -33,7 +36,9 @@ TRAIN_RULES: Rules = {
     "accept_pos": None,
 }
 
-# Decoding: weights split over tensor only (no per-step all-gathers), batch over data.
+# Decoding: weights split over tensor only (no per-step all-gathers), batch over data. Every
+# chip holds a 1/tensor slice of EVERY expert's F (Megatron-style): a step's grouped matmuls
+# run locally on the rows routed to each expert and end in one all-reduce, like a dense MLP.
 DECODE_RULES: Rules = {
     "batch": "data",
     "vocab": "tensor",
@@ -41,6 +46,8 @@ DECODE_RULES: Rules = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": None,
+    "expert_mlp": "tensor",
     "features": None,
     "norm": None,
     "head_hidden": None,
