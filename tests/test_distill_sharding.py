@@ -10,6 +10,7 @@ from adaflash_jax.distill.state import fresh_drafter, new_train_state, tree_shar
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
+from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.mesh import make_mesh
 from adaflash_jax.train.optimizer import OptimizerConfig
@@ -61,7 +62,8 @@ def _run(setup, mesh_shape, kind, n_steps=2):
     }[kind]
     tx, schedules = steps.make_optimizer(groups, clip_norm=1.0)
     state, shardings = new_train_state(params, frozen, tx, mesh=mesh, rules=TRAIN_RULES, seed=0)
-    spec = steps.StepSpec(kind=kind, block_size=K, gamma=2.0, feature_layers=(0, 1))
+    rows = RowLayout.of(mesh, TRAIN_RULES, B)  # activations' rows split as the trainer's
+    spec = steps.StepSpec(kind=kind, block_size=K, gamma=2.0, feature_layers=(0, 1), rows=rows)
     bsh = steps.batch_shardings(mesh, TRAIN_RULES, B)
     fn = steps.jit_step(
         steps.make_step(spec, d_graph, t_graph, tx, schedules),

@@ -95,7 +95,7 @@ def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None) -> list[Program]:
 
         abstract = jax.eval_shape(init, d_params, t_params)
         shardings = tree_shardings(abstract, mesh, TRAIN_RULES)
-        spec = step_spec(cfg, dcfg, kind)
+        spec = step_spec(cfg, dcfg, kind, mesh=mesh)
         fn = steps.jit_step(
             steps.make_step(spec, d_graph, t_graph, tx, schedules),
             state_shardings=shardings,

@@ -96,6 +96,7 @@ def generate_jit(
         cache=constrain_rows(rows, model.init_cache(b, capacity), b),
         num_new_B=prompt_len_B,
         compute_logits=False,
+        rows=rows,
     )
     last_hidden_BxD = out.hidden_BxTxD[rows_B, prompt_len_B - 1]
     logits_BxV = model.logits(last_hidden_BxD[:, None])[:, 0]
@@ -113,7 +114,7 @@ def generate_jit(
     def step(s: DecodeState) -> DecodeState:
         active_B = ~s.done_B
         last_B = s.tokens_BxT[rows_B, s.num_out_B - 1]
-        out = model(last_B[:, None], cache=s.cache, num_new_B=active_B.astype(jnp.int32))
+        out = model(last_B[:, None], cache=s.cache, num_new_B=active_B.astype(jnp.int32), rows=rows)
         rng, key = jax.random.split(s.rng)
         tok_B = pick_tokens(key, out.logits_BxTxV[:, 0], temperature_B, top_p, greedy=greedy)
         s = s.replace(cache=out.cache, rng=rng)

@@ -63,6 +63,7 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
         num_new_B=prompt_len_I,
         feature_layers=spec.feature_layers if drafter is not None else (),
         compute_logits=False,
+        rows=spec.rows,
     )
     last_IxD = out.hidden_BxTxD[jnp.arange(n), prompt_len_I - 1]
     logits_IxV = target.logits(last_IxD[:, None])[:, 0].astype(jnp.float32)

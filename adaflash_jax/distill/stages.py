@@ -104,8 +104,11 @@ def stage_optimizer(cfg: RunConfig, kind: str, total: int | None = None):
     return {"drafter": _adamw(s2.lr, s2), "head": head, "accept": head}, s2.clip_norm
 
 
-def step_spec(cfg: RunConfig, drafter_cfg, kind: str, divergence: str = "rkl") -> steps.StepSpec:
-    """The `StepSpec` a run trains `kind` with (the loss and attention knobs come from `cfg`)."""
+def step_spec(
+    cfg: RunConfig, drafter_cfg, kind: str, divergence: str = "rkl", mesh=None
+) -> steps.StepSpec:
+    """The `StepSpec` a run trains `kind` with (the loss and attention knobs come from `cfg`;
+    on a `mesh` the batch's rows stay split over its batch axes inside the models)."""
     return steps.StepSpec(
         kind=kind,
         block_size=drafter_cfg.block_size,
@@ -115,6 +118,7 @@ def step_spec(cfg: RunConfig, drafter_cfg, kind: str, divergence: str = "rkl") -
         loss_chunk=cfg.loss_chunk,
         attention=cfg.train_attention,
         attention_chunk=cfg.attention_chunk,
+        rows=RowLayout.of(mesh, TRAIN_RULES, cfg.batch_size),
     )
 
 
@@ -133,7 +137,7 @@ class Trainer:
         return self.t_graph, self.frozen
 
     def _spec(self, kind: str, divergence: str = "rkl") -> steps.StepSpec:
-        return step_spec(self.cfg, self.ctx.drafter_cfg, kind, divergence)
+        return step_spec(self.cfg, self.ctx.drafter_cfg, kind, divergence, self.mesh)
 
     def _checkpointer(self, name: str) -> Checkpointer:
         c = self.cfg.checkpoint

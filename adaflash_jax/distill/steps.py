@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from adaflash_jax.distill import losses
 from adaflash_jax.distill.anchors import block_targets
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK
+from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import Rules
 from adaflash_jax.train.optimizer import OptimizerConfig, adamw, make_schedule, path_labels
 from adaflash_jax.train.state import TrainState, batch_sharding
@@ -54,6 +55,7 @@ class StepSpec:
     loss_chunk: int = 0  # blocks per loss chunk (0: all at once); see losses.position_stats
     attention: str = "sparse"  # drafter training attention: "sparse" | "dense" (train_hidden)
     attention_chunk: int = DEFAULT_CHUNK  # context keys per chunk of the sparse attention
+    rows: RowLayout | None = None  # the batch's rows over the mesh (activations stay split)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -112,9 +114,9 @@ def clip_part_norms(grads) -> dict[str, jax.Array]:
 
 
 # ---- the frozen target -----------------------------------------------------------------------
-def _teacher(target_graphdef, frozen, tokens_BxS, feature_layers):
+def _teacher(target_graphdef, frozen, tokens_BxS, feature_layers, rows):
     target = nnx.merge(target_graphdef, jax.lax.stop_gradient(frozen))
-    out = target(tokens_BxS, feature_layers=feature_layers, compute_logits=False)
+    out = target(tokens_BxS, feature_layers=feature_layers, compute_logits=False, rows=rows)
     return target, out.features_BxTxnD, out.hidden_BxTxD
 
 
@@ -161,7 +163,7 @@ def make_step(
         anchors, valid = batch["anchors"], batch["valid"]
         # -- frozen target, outside the differentiated function --
         target, feats_BxSxnD, t_hidden_BxSxD = _teacher(
-            target_graphdef, state.frozen, tokens, spec.feature_layers
+            target_graphdef, state.frozen, tokens, spec.feature_layers, spec.rows
         )
         emb_VxD = jax.lax.stop_gradient(target.embedding_VxD())
         head_DxV = jax.lax.stop_gradient(target.lm_head_DxV())
@@ -181,6 +183,7 @@ def make_step(
                 emb_VxD,
                 attention=spec.attention,
                 attention_chunk=spec.attention_chunk,
+                rows=spec.rows,
             )
             stats = losses.position_stats(
                 hidden[:, :, 1:],

@@ -21,6 +21,7 @@ from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
 from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
+from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 
 @struct.dataclass
@@ -165,6 +166,7 @@ class Drafter(nnx.Module):
         *,
         attention: str = "sparse",
         attention_chunk: int = DEFAULT_CHUNK,
+        rows: RowLayout | None = None,
     ):
         """Final-normed block states [B, N, K, D] for blocks anchored at `anchors_BxN`.
 
@@ -172,7 +174,9 @@ class Drafter(nnx.Module):
         the anchor; blocks never see each other (docs/design.md §3). `attention`: "sparse" computes
         block→context in chunks of `attention_chunk` context keys plus block→own block
         (`train_attention`); "dense" scores all N·K × (S + N·K) pairs under
-        `masks.train_mask` (same result, memory grows with N·K·S).
+        `masks.train_mask` (same result, memory grows with N·K·S). `rows` keeps the
+        activations' rows split over those mesh axes (the embedding table and the fc weights
+        are fsdp-sharded: without it XLA may keep them in place and replicate the batch).
         """
         cfg = self.config
         b, s, _ = features_BxSxnD.shape
@@ -185,7 +189,7 @@ class Drafter(nnx.Module):
             pattern = masks.DenseMask(masks.train_mask(anchors_BxN, valid_BxN, s, k))
         else:
             raise ValueError(f"train attention must be 'sparse' or 'dense', got {attention!r}")
-        ctx_BxSxD = self.fuse(features_BxSxnD)
+        ctx_BxSxD = constrain_rows(rows, self.fuse(features_BxSxnD), b)
         ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         first_BxN = jnp.take_along_axis(tokens_BxS, anchors_BxN, axis=1)
         block_BxNxK = jnp.concatenate(
@@ -194,9 +198,10 @@ class Drafter(nnx.Module):
         )
         positions_BxNK = (anchors_BxN[..., None] + jnp.arange(k, dtype=jnp.int32)).reshape(b, n * k)
         x = jnp.take(embedding_VxD, block_BxNxK.reshape(b, n * k), axis=0).astype(self.dtype)
+        x = constrain_rows(rows, x, b)
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.keys_values(ctx_BxSxD, ctx_pos_BxS)
-            x = layer(x, positions_BxNK, ctx_k, ctx_v, pattern)
+            x = constrain_rows(rows, layer(x, positions_BxNK, ctx_k, ctx_v, pattern), b)
         return self.norm(x).reshape(b, n, k, -1)
 
     def logits(self, hidden, lm_head_DxV):

@@ -38,6 +38,7 @@ from adaflash_jax.model.layers import (
     normal_init,
 )
 from adaflash_jax.model.moe import MoEBlock
+from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 CACHE_MODES = ("write", "read")
 
@@ -197,6 +198,7 @@ class TargetLM(nnx.Module):
         segment_ids_BxT: jax.Array | None = None,
         feature_layers: Sequence[int] = (),
         compute_logits: bool = True,
+        rows: RowLayout | None = None,
     ) -> TargetOutput:
         """Runs T new tokens per row.
 
@@ -204,7 +206,8 @@ class TargetLM(nnx.Module):
         row b's tokens sit at `cache.positions(T)` and see every committed entry before them.
         "write" mode returns the cache with `lengths + num_new_B` (default T): padding past
         `num_new_B[b]` is written but left uncommitted. "read" mode leaves the cache alone
-        and returns the new entries (`new_kv`).
+        and returns the new entries (`new_kv`). `rows` keeps the activations' rows split over
+        those mesh axes (FSDP: weights are gathered, activations never are).
         """
         b, t = tokens_BxT.shape
         feature_layers = tuple(feature_layers)
@@ -231,11 +234,12 @@ class TargetLM(nnx.Module):
             if segment_ids_BxT is not None:
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
-        x = self.embed(tokens_BxT)
+        x = constrain_rows(rows, self.embed(tokens_BxT), b)
         features, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
             x, kv = layer(x, positions_BxT, mask_BxTxS, layer_kv, lengths_B)
+            x = constrain_rows(rows, x, b)
             if kv is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])

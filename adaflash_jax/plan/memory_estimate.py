@@ -19,7 +19,8 @@ Formulas, per device (`estimate` computes exactly these):
   train       gathered        2 * one target layer's weights all-gathered over fsdp (if fsdp > 1)
               LM head         D*V_t*a, gathered over fsdp (if fsdp > 1)
               target layer    B*S*a*(3D + (2H_t+2Kv_t)Dh + 3F_t) + B*S*S (mask)
-                              + naive: B*H_t*S*S*(4 + a)        (scores fp32 + probs)
+                              + B*H_t*S*S*(4 + a)               (scores fp32 + probs: the
+                                                                 target's attention is dense)
               target outputs  B*S*(n+1)*D*a                     (features + final hidden)
               logits          4 * B*Nc*(K-1)*V_t*4              (teacher log-probs; student
                                                                  logits, probs, grad; fp32)
@@ -32,9 +33,9 @@ Formulas, per device (`estimate` computes exactly these):
               gathered        as in train, and the LM head
               step temps      max(prefill, verify), where
                               prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
-                                        + naive R*H_t*P*C*(4 + a)
+                                        + R*H_t*P*C*(4 + a)   (dense)
                                         + fresh caches (L + Ld)*2*R*C*Kv_t*Dh*a
-                              verify  = 2*R*K*V_t*4 + naive R*H_t*K*C*(4 + a)
+                              verify  = 2*R*K*V_t*4 + R*H_t*K*C*(4 + a)
 peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
 """
 
@@ -125,7 +126,8 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     q = inp.num_anchors * k
     nc = min(inp.num_anchors, inp.logits_chunk or inp.num_anchors)
     per_tok = 3 * d + (2 * h_t + 2 * kv_t) * dh + 3 * f_t
-    layer = b * s * a * per_tok + b * s * s + (b * h_t * s * s * (4 + a) if naive else 0)
+    # the target's attention materialises its scores (no fused kernel in this code base)
+    layer = b * s * a * per_tok + b * s * s + b * h_t * s * s * (4 + a)
     add("train", "target layers gathered over fsdp (2)", gathered)
     add("train", "LM head gathered over fsdp", head)
     add("train", "target forward: one layer's temporaries", layer)
@@ -150,9 +152,9 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
     fresh = (
         (tgt.num_hidden_layers * kv_t * dh + dr.num_layers * dkv_t * dr.head_dim) * 2 * r * c * a
     )
-    prefill = r * p * a * (per_tok + n_feat * d) + (r * h_t * p * c * (4 + a) if naive else 0)
+    prefill = r * p * a * (per_tok + n_feat * d) + r * h_t * p * c * (4 + a)
     prefill += fresh
-    verify = 2 * r * k * v_t * 4 + (r * h_t * k * c * (4 + a) if naive else 0)
+    verify = 2 * r * k * v_t * 4 + r * h_t * k * c * (4 + a)
     add("collect", "target layers gathered over fsdp (2)", gathered)
     add("collect", "LM head gathered over fsdp", head)
     add("collect", "prefill/verify temporaries", max(prefill, verify))
