@@ -11,23 +11,14 @@ from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.distill.regenerate import generate_greedy
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
 from adaflash_jax.sharding.rules import TRAIN_RULES, state_shardings
 from adaflash_jax.train.mesh import make_mesh
 
 V = 128
-CFG = TargetConfig(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-)
+CFG = target_preset("test", vocab_size=V, max_position_embeddings=256)
 SLOTS = 8
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9], list(range(20, 32)), [7] * 5]
 MAX_NEW = [9, 6, 13, 3, 11, 8]

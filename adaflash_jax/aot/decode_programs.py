@@ -87,15 +87,12 @@ def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) ->
     """The regeneration program (`generate_jit`, greedy): prefill + the decode while loop."""
     p = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
     layout = m.rows(batch)
-    split = lambda ndim: None if layout is None else layout.sharding(ndim)  # noqa: E731
-    rows = lambda dtype: struct((batch,), dtype, split(1))  # noqa: E731
+    rows = lambda dtype: struct((batch,), dtype)  # noqa: E731
+    batch_args = (struct((batch, p), jnp.int32), rows(jnp.int32), rows(jnp.int32))
+    batch_args += (rows(jnp.float32), rows(jnp.float32))
     args = (
         m.target,
-        struct((batch, p), jnp.int32, split(2)),
-        rows(jnp.int32),
-        rows(jnp.int32),
-        rows(jnp.float32),
-        rows(jnp.float32),
+        *_in_layout(batch_args, layout, batch),
         jax.eval_shape(lambda: jax.random.key(0)),
     )
     static = dict(
@@ -134,14 +131,18 @@ def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: b
     )
 
 
+def _in_layout(tree, layout, rows: int):
+    """Abstract arrays carrying `layout`'s shardings for `rows` rows (unchanged without one)."""
+    if layout is None:
+        return tree
+    shardings = layout.shardings(tree, rows)
+    return jax.tree.map(lambda x, sh: struct(x.shape, x.dtype, sh), tree, shardings)
+
+
 def _engine_state(engine):
     """The engine's abstract state, lowered in its row layout."""
     state = jax.eval_shape(lambda: engine.init_state(0))
-    layout = engine.spec.rows
-    if layout is None:
-        return state
-    shardings = layout.shardings(state, engine.slots)
-    return jax.tree.map(lambda x, sh: struct(x.shape, x.dtype, sh), state, shardings)
+    return _in_layout(state, engine.spec.rows, engine.slots)
 
 
 def _loop_program(m: Models, engine, spec, name: str, width: int) -> Program:
@@ -187,12 +188,10 @@ def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) ->
     padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""
     engine = _engine(m, slots, capacity, 0.0, drafted=True)
     p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
-    state = _engine_state(engine)
-    layout = engine.spec.rows
-    split = lambda ndim: None if layout is None else layout.sharding(ndim)  # noqa: E731
-    rows = lambda: struct((slots,), jnp.int32, split(1))  # noqa: E731
-    prompts = struct((slots, p), jnp.int32, split(2))
-    args = (m.target, m.drafter, state, rows(), prompts, rows(), rows())
+    rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
+    inputs = (rows(), struct((slots, p), jnp.int32), rows(), rows())
+    inputs = _in_layout(inputs, engine.spec.rows, slots)
+    args = (m.target, m.drafter, _engine_state(engine), *inputs)
     return Program(
         name=f"prefill B={slots}",
         kind="decode",
@@ -222,12 +221,7 @@ _draft_jit = jax.jit(_draft, static_argnames=("tdef", "ddef"))
 def draft_program(m: Models, *, slots: int, capacity: int) -> Program:
     """`Drafter.draft`: one block forward after each row's bonus token."""
     cache = jax.eval_shape(lambda: m.drafter_module.init_context_cache(slots, capacity))
-    bonus = struct((slots,), jnp.int32)
-    layout = m.rows(slots)
-    if layout is not None:
-        place = lambda x, sh: struct(x.shape, x.dtype, sh)  # noqa: E731
-        cache = jax.tree.map(place, cache, layout.shardings(cache, slots))
-        bonus = struct((slots,), jnp.int32, layout.sharding(1))
+    cache, bonus = _in_layout((cache, struct((slots,), jnp.int32)), m.rows(slots), slots)
     args = (*m.target, *m.drafter, cache, bonus)
     return Program(
         name=f"draft B={slots}",

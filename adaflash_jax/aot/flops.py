@@ -26,6 +26,7 @@ block mask, padded positions) is NOT useful: that gap is what MFU should show.
 from __future__ import annotations
 
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.train_attention import flops_left_out
 from adaflash_jax.model.config import TargetConfig
 
 
@@ -99,8 +100,6 @@ def loop_flops_left_out(
     `attention_chunk` keys at a time (`train_attention.flops_left_out`). This returns every
     iteration but the counted one, so the compiler's FLOPs plus this is the step's matmul work.
     """
-    from adaflash_jax.drafter.train_attention import flops_left_out
-
     if kind not in _LOSS_CHUNK_LOGITS:
         raise ValueError(f"unknown step kind {kind!r}")
     out = 0.0

@@ -95,8 +95,8 @@ def stage_optimizer(cfg: RunConfig, kind: str, total: int | None = None):
         )
         return {"drafter": opt}, s1.clip_norm
     if kind == "head_init":
-        h = cfg.head_init
-        return {"head": _adamw(h.lr, h), "accept": _adamw(h.lr, h)}, h.clip_norm
+        opt = _adamw(cfg.head_init.lr, cfg.head_init)
+        return {"head": opt, "accept": opt}, cfg.head_init.clip_norm
     if kind != "stage2":
         raise ValueError(f"unknown stage {kind!r}; choose from {steps.KINDS}")
     s2 = cfg.stage2
