@@ -21,6 +21,7 @@ from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file  # noqa: E
 from adaflash_jax.model.checkpoint import CheckpointError, load_target, save_target  # noqa: E402
 from adaflash_jax.model.config import ConfigError, TargetConfig  # noqa: E402
 from adaflash_jax.model.moe import MoEBlock  # noqa: E402
+from adaflash_jax.sharding.rows import RowLayout  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
 
 V = 256
@@ -197,6 +198,31 @@ def test_sharded_forward_equals_single_device(hf_dirs, tokens, shape, names, rul
     for name in ("logits_BxTxV", "features_BxTxnD"):
         got, want = np.asarray(getattr(out, name)), np.asarray(getattr(single, name))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_routing_per_row_shard_equals_global(hf_dirs, tokens):
+    """With the batch's rows split over (data, fsdp), each chip routes and multiplies only
+    its own rows (every sort in the program covers a quarter of the routed rows), and the
+    output equals the single-device forward."""
+    path = hf_dirs["all_sparse"][1]
+    batch = jnp.asarray(np.concatenate([tokens] * 4))  # [4 · B, T]: 4 row shards
+    single = load_target(path)(batch, feature_layers=(1,))
+    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    model = load_target(path, mesh=mesh, rules=TRAIN_RULES)
+    rows = RowLayout.of(mesh, TRAIN_RULES, batch.shape[0])
+    fwd = jax.jit(lambda m, t, r: m(t, feature_layers=(1,), rows=r), static_argnums=2)
+    out = fwd(model, batch, rows)
+    for name in ("logits_BxTxV", "features_BxTxnD"):
+        got, want = np.asarray(getattr(out, name)), np.asarray(getattr(single, name))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+    def sorted_rows(r):
+        hlo = fwd.lower(model, batch, r).compile().as_text()
+        return {int(m.group(1)) for m in re.finditer(r"= \(?s32\[(\d+)\][^=]*sort\(", hlo)}
+
+    routed = batch.size * 2  # top-2
+    assert sorted_rows(None) == {routed}  # global routing: one sort over every row
+    assert sorted_rows(rows) == {routed // 4}
 
 
 def test_decode_step_gathers_no_expert_weights(hf_dirs):

@@ -38,6 +38,7 @@ def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
                 cache=target_cache,
                 cache_mode="read",
                 feature_layers=spec.feature_layers,
+                rows=spec.rows,
             )
             ctx_kv = drafter.context_entries(s.context_cache, out.features_BxTxnD)
             accepted_B, bonus_B = spec.accept_fn(
