@@ -20,7 +20,7 @@ from adaflash_jax.decode.generate import generate  # noqa: E402
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file  # noqa: E402
 from adaflash_jax.model.checkpoint import CheckpointError, load_target, save_target  # noqa: E402
 from adaflash_jax.model.config import ConfigError, TargetConfig  # noqa: E402
-from adaflash_jax.model.moe import MoEBlock  # noqa: E402
+from adaflash_jax.model.moe import MoEBlock, group_sizes  # noqa: E402
 from adaflash_jax.sharding.rows import RowLayout  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
 
@@ -140,6 +140,13 @@ def test_router_is_not_trivial(hf_dirs, tokens):
     weights, experts = ours.layers[0].mlp.route(ours.layers[0].post_attention_layernorm(x))
     assert len(np.unique(np.asarray(experts))) == 5
     assert np.abs(np.asarray(weights).sum(-1) - 1).max() > 0.05  # norm_topk_prob=False
+
+
+def test_group_sizes_count_each_expert():
+    """The grouped matmuls' row counts == a bincount, experts with no rows included."""
+    experts_M = jnp.asarray(np.random.default_rng(0).choice([0, 2, 3, 6], size=37))
+    got = group_sizes(experts_M, 8)
+    np.testing.assert_array_equal(got, np.bincount(np.asarray(experts_M), minlength=8))
 
 
 def test_cached_prefill_and_read_mode_match_transformers(hf_dirs, tokens):

@@ -116,7 +116,7 @@ def mix_tokens(
     weights_Nxk, experts_Nxk = route(x_NxD, router_DxE, top_k, norm_topk_prob)
     experts_M = experts_Nxk.reshape(-1)
     order_M = jnp.argsort(experts_M, stable=True)  # routed rows grouped by expert
-    group_sizes_E = jnp.bincount(experts_M, length=router_DxE.shape[1]).astype(jnp.int32)
+    group_sizes_E = group_sizes(experts_M, router_DxE.shape[1])
     xs_MxD = x_NxD[order_M // top_k]
     gate_MxF = jax.lax.ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E)
     up_MxF = jax.lax.ragged_dot(xs_MxD, up_ExDxF, group_sizes_E)
@@ -125,3 +125,12 @@ def mix_tokens(
     y_MxD = jnp.zeros_like(ys_MxD).at[order_M].set(ys_MxD, unique_indices=True)
     y_NxkxD = y_MxD.reshape(n, top_k, d)
     return jnp.einsum("nkd,nk->nd", y_NxkxD, weights_Nxk.astype(dtype))
+
+
+def group_sizes(experts_M, num_experts: int):
+    """Rows per expert [E]: how many ids fall below each boundary e = 0..E, differenced.
+    (`jnp.bincount` gives the same counts, but its scatter-add makes XLA's TPU cost model
+    report a negative step time for the whole program.)"""
+    bounds_E1 = jnp.arange(num_experts + 1, dtype=experts_M.dtype)
+    below_E1 = jnp.sum(experts_M[None, :] < bounds_E1[:, None], axis=1, dtype=jnp.int32)
+    return jnp.diff(below_E1)
