@@ -233,11 +233,13 @@ def test_routing_per_row_shard_equals_global(hf_dirs, tokens):
 
 
 def test_decode_step_gathers_no_expert_weights(hf_dirs):
-    """Under DECODE_RULES the compiled decode step moves activations, never an expert's
-    weights: every all-gather in the program is smaller than one expert's local F-slice."""
-    model = load_target(hf_dirs["all_sparse"][1], mesh=_mesh((2, 4), ("data", "tensor")))
-    cache = model.init_cache(2, 16)
-    step = jax.jit(lambda m, t, c: m(t, cache=c).logits_BxTxV)
+    """Under DECODE_RULES the compiled decode step (rows split over data, each shard routed on
+    its own chips) moves activations, never an expert's weights: every all-gather in the
+    program is smaller than one expert's local F-slice."""
+    mesh = _mesh((2, 4), ("data", "tensor"))
+    model = load_target(hf_dirs["all_sparse"][1], mesh=mesh)
+    cache, rows = model.init_cache(2, 16), RowLayout.of(mesh, DECODE_RULES, 2)
+    step = jax.jit(lambda m, t, c: m(t, cache=c, rows=rows).logits_BxTxV)
     hlo = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
     gathered = [
         math.prod(int(d) for d in m.group(1).split(",") if d)
