@@ -1,6 +1,7 @@
 """Run configs: the shipped files load, overrides parse, bad fields are named, the 8B recipe
 builds abstractly (eval_shape only)."""
 
+import dataclasses
 import os
 
 import jax
@@ -13,7 +14,7 @@ from adaflash_jax.model.presets import target_preset
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "qwen3_8b_v5p"])
+@pytest.mark.parametrize("name", ["tiny", "small", "qwen3_8b_v5p", "qwen3_coder_30b_a3b_v5p"])
 def test_shipped_configs_load(name):
     cfg = load_config(os.path.join(CONFIGS, f"{name}.py"))
     assert isinstance(cfg, RunConfig) and cfg.name == name
@@ -69,6 +70,23 @@ def test_reference_recipe_is_the_reference():
     )
     assert cfg.draft.accept_dim == 0
     assert (cfg.num_anchors, cfg.draft.block_size, cfg.seq_len) == (512, 16, 2048)
+
+
+def test_coder_recipe_is_the_8b_recipe_with_its_target_and_drafter():
+    """The 30B-A3B recipe trains as the 8B one (512 anchors, loss chunks, optimisers) and
+    differs only in the target and the reference's 8-layer drafter for it."""
+    base = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
+    coder = load_config(os.path.join(CONFIGS, "qwen3_coder_30b_a3b_v5p.py"))
+    differ = {
+        f.name
+        for f in dataclasses.fields(RunConfig)
+        if getattr(base, f.name) != getattr(coder, f.name)
+    }
+    assert differ == {"name", "target_path", "target_shape", "draft"}
+    assert (coder.draft.layers, coder.draft.target_layer_ids) == (8, (1, 12, 23, 34, 45))
+    same = dict(layers=base.draft.layers, target_layer_ids=base.draft.target_layer_ids)
+    assert dataclasses.replace(coder.draft, **same) == base.draft
+    assert (coder.num_anchors, coder.loss_chunk) == (512, 32)
 
 
 def test_qwen3_8b_recipe_builds_abstractly():
