@@ -13,7 +13,7 @@ untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal)
 Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
 the weight-read floor (goal <= 1.5x), the verify table per batch and width (docs/design.md §7) and,
 with --draft-layers, the drafter block forward per batch; --cost-table (with --draft-layers)
-then times the engine's own loop programs (`decode.step_cost`) into the cost table that the
+then times the engine's own loop programs (`bench.step_cost`) into the cost table that the
 goodput policy and experiments.project_throughput read.
 """
 
@@ -158,7 +158,7 @@ def _ints(text: str) -> list[int]:
 
 
 def slots_mode(args) -> None:
-    from adaflash_jax.decode import bench
+    from adaflash_jax.bench import decode_timing as bench
 
     dtype = getattr(jnp, args.dtype)
     if args.target:
@@ -261,9 +261,9 @@ def shape_mode(args) -> None:
 
 
 def write_cost_table(args, cfg, target_pair, drafter_pair) -> None:
-    """The engine's cost table (`decode.step_cost.measure`: its loop program per verify
+    """The engine's cost table (`bench.step_cost.measure`: its loop program per verify
     width, the plain loop and the draft forward) at --batches, a cache of --context."""
-    from adaflash_jax.decode.step_cost import measure
+    from adaflash_jax.bench.step_cost import measure
 
     table = measure(
         nnx.merge(*target_pair),

@@ -17,6 +17,7 @@ import os
 
 import jax.numpy as jnp
 
+from adaflash_jax.bench.step_cost import engine_table
 from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.build import POLICY_NAMES, build_engine
 from adaflash_jax.decode.generate import GenerateError, generate
@@ -125,7 +126,7 @@ def speculative(args, model, prompts, eos):
         top_p=args.top_p,
         seed=args.seed,
         eos_ids=eos,
-        cost_table=args.cost_table,
+        cost_table=args.cost_table or engine_table,  # goodput: else the measured one
         policy_kwargs=goodput_options(args) if args.policy == "goodput" else None,
     )
     results = engine.generate([(p, args.max_new_tokens) for p in prompts])

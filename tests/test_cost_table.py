@@ -1,4 +1,4 @@
-"""The one cost table: its JSON format and reader, the producer (`decode.step_cost`) timing the
+"""The one cost table: its JSON format and reader, the producer (`bench.step_cost`) timing the
 engine's own loop programs, and its readers: goodput, the benchmark's cost model, the
 projection."""
 
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.bench import cost_model as cm
-from adaflash_jax.decode import step_cost
+from adaflash_jax.bench import step_cost
 from adaflash_jax.decode.build import build_engine
 from adaflash_jax.decode.cost_table import FORMAT, VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
@@ -125,7 +125,8 @@ def test_build_engine_measures_once_and_caches(tmp_path, monkeypatch, models):
         return dataclasses_replace_rows(TABLE.at_rows(4), rows[0], buckets)
 
     monkeypatch.setattr(step_cost, "measure", fake_measure)
-    kw = dict(slots=2, capacity=32, buckets=(1, 2, 4), policy="goodput", cache_dir=str(tmp_path))
+    measured = functools.partial(step_cost.engine_table, cache_dir=str(tmp_path))
+    kw = dict(slots=2, capacity=32, buckets=(1, 2, 4), policy="goodput", cost_table=measured)
     engine = build_engine(target, drafter, **kw)
     assert seen == [((2,), 32, (1, 2, 4), 0.0)] and engine.policy.cost.rows == (2,)
     assert len(list(tmp_path.iterdir())) == 1
@@ -133,7 +134,7 @@ def test_build_engine_measures_once_and_caches(tmp_path, monkeypatch, models):
     assert len(seen) == 1 and again.policy == engine.policy
     build_engine(target, drafter, **kw, temperature=1.0)  # another sampling mode: measured
     assert len(seen) == 2
-    given = build_engine(target, drafter, **kw, cost_table=TABLE)  # a given table, as it is
+    given = build_engine(target, drafter, **{**kw, "cost_table": TABLE})  # used as it is
     assert len(seen) == 2 and given.policy.cost == TABLE
 
 
@@ -157,7 +158,7 @@ def _widths(policy, draft):
 def test_goodput_decides_the_same_from_the_produced_table(tmp_path, models):
     """Old path: the engine-step calibration's table (draft = step(drafted, W=1) −
     step(undrafted), verify[W] = step(drafted, W) − draft) given to `GoodputPolicy` as an
-    object. New path: the producer's `table_from_steps` of the same steps (the draft forward
+    object. New path: `VerifyCostTable.from_steps` of the same steps (the draft forward
     timed on its own: the W = 1 drafted step is the plain step plus it), saved to JSON and
     read back by `build_engine`. Goodput picks the same width for every input."""
     plain = np.array([1.0, 1.2, 2.0])  # rows 1, 4, 16
@@ -171,7 +172,7 @@ def test_goodput_decides_the_same_from_the_produced_table(tmp_path, models):
         verify_ms=tuple((p, *(d - dr)) for p, d, dr in zip(plain, drafted, old_draft)),
         draft_ms=tuple(old_draft),
     )
-    new = step_cost.table_from_steps(
+    new = VerifyCostTable.from_steps(
         rows=(1, 4, 16), widths=(2, 4, 8), plain_ms=plain, draft_ms=draft, drafted_ms=drafted,
         device="synthetic", model="",
     )  # fmt: skip

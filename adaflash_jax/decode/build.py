@@ -1,24 +1,25 @@
 """Engines and policies by name: the one place that knows every policy.
 
-    engine = build_engine(target, drafter, slots=4, capacity=512, policy="goodput")
+    engine = build_engine(target, drafter, slots=4, capacity=512, policy="goodput",
+                          cost_table=step_cost.engine_table)
 
-Goodput needs a cost table. Without one, this measures it on the engine's own jitted loop
-programs (`step_cost`, cached per device and settings), then builds the serving engine around
-the measured table.
+Goodput reads a cost table: a `VerifyCostTable`, a JSON path, or a function that makes the
+table of the engine once its settings are checked (`bench.step_cost.engine_table` measures
+the engine's own loop programs, cached per device and settings).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, LengthPolicy, PolicyError
-from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
-from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.step_cost import load_or_measure, unit_table
+from adaflash_jax.decode.slots import SpeculativeEngine
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")
+CostSource = VerifyCostTable | str | os.PathLike | Callable[[SpeculativeEngine], VerifyCostTable]
 
 
 def make_policy(name: str, *, cost: VerifyCostTable | None = None, **kwargs) -> LengthPolicy:
@@ -40,12 +41,10 @@ def build_engine(
     *,
     policy: str | LengthPolicy = "fixed",
     policy_kwargs: dict | None = None,
-    cost_table: VerifyCostTable | str | os.PathLike | None = None,
-    cache_dir: str | None = None,
+    cost_table: CostSource | None = None,
     **engine_kwargs,
 ) -> SpeculativeEngine:
-    """A `SpeculativeEngine` whose policy is an object or a name (with `policy_kwargs`);
-    goodput reads `cost_table` (a table or a JSON path), else its measured one."""
+    """A `SpeculativeEngine` whose policy is an object or a name (with `policy_kwargs`)."""
     if drafter is None:  # plain decoding: no policy
         return SpeculativeEngine(target, None, **engine_kwargs)
     if not isinstance(policy, str):
@@ -53,17 +52,14 @@ def build_engine(
     kwargs = dict(policy_kwargs or {})
     if isinstance(cost_table, str | os.PathLike):
         cost_table = VerifyCostTable.load(cost_table)
-    if policy != "goodput" or cost_table is not None:
-        policy = make_policy(policy, cost=cost_table, **kwargs)
-        return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)
-    k = engine_kwargs.get("block_size") or drafter.config.block_size
-    widths = bucket_set(engine_kwargs.get("buckets", DEFAULT_BUCKETS), k)
-    placeholder = GoodputPolicy(cost=unit_table(engine_kwargs["slots"], widths), **kwargs)
-    # validates the options, buckets and head outputs before the measurement's compute
-    e = SpeculativeEngine(target, drafter, **engine_kwargs, policy=placeholder)
-    table = load_or_measure(
-        e.target, e.drafter, rows=(e.slots,), capacity=e.capacity, buckets=e.buckets,
-        temperature=e.temperature, top_p=e.top_p, cache_dir=cache_dir,
-    )  # fmt: skip
-    policy = GoodputPolicy(cost=table, **kwargs)
+    elif policy == "goodput" and callable(cost_table):
+        # an engine on a flat table first: its options, buckets and head outputs are checked
+        # before the table's compute
+        k = max(engine_kwargs.get("block_size") or drafter.config.block_size, 1)
+        flat = VerifyCostTable(
+            rows=(1,), widths=range(1, k + 1), verify_ms=((1.0,) * k,), draft_ms=(0.0,)
+        )
+        checked = GoodputPolicy(cost=flat, **kwargs)
+        cost_table = cost_table(SpeculativeEngine(target, drafter, **engine_kwargs, policy=checked))
+    policy = make_policy(policy, cost=cost_table, **kwargs)
     return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)

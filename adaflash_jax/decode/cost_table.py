@@ -3,12 +3,11 @@ JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the p
 
 Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
 
-Meaning (the engine's own loop program, `step_cost.py`; TPU compiler estimates of the same
-programs, `aot/programs.py`): `verify_ms[·][W=1]` is the plain (undrafted) step, `draft_ms` the
-drafter's block forward, and draft + verify[W] the drafted step verifying W tokens a row.
-
-The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
-the table is static data (tuples, hashable).
+Its producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
+estimates, `aot/programs.py`) decompose the engine's steps the same way (`from_steps`):
+`verify_ms[·][W=1]` is the plain (undrafted) step, `draft_ms` the drafter's block forward,
+and draft + verify[W] the drafted step verifying W tokens a row. Goodput divides expected
+committed tokens by this cost inside the jitted step, so the table is static data (tuples).
 """
 
 from __future__ import annotations
@@ -65,6 +64,19 @@ class VerifyCostTable:
             raise ValueError("verify times must be positive and draft times non-negative")
         if not self.switch_ms >= 0:
             raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
+
+    @classmethod
+    def from_steps(cls, *, rows, widths, plain_ms, draft_ms, drafted_ms, **meta):
+        """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
+        (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`; `meta`:
+        switch_ms, device, model."""
+        if 1 in widths:
+            raise ValueError("the drafted widths exclude 1: verify[1] is the plain step")
+        verify = [
+            (plain, *(max(d - draft, 1e-6) for d in drafted))
+            for plain, draft, drafted in zip(plain_ms, draft_ms, drafted_ms)
+        ]
+        return cls(rows=rows, widths=(1, *widths), verify_ms=verify, draft_ms=draft_ms, **meta)
 
     # ---- lookups ------------------------------------------------------------------------
     def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:

@@ -10,7 +10,7 @@ switches.
     engine = SpeculativeEngine(target, drafter, slots=4, capacity=512, policy=AdaFlashPolicy())
     results = engine.generate([(prompt_ids, max_new_tokens), ...])   # list[Result]
 
-`build.build_engine` makes one from a policy name (goodput's cost table measured first).
+`build.build_engine` makes one from a policy name.
 """
 
 from __future__ import annotations

@@ -5,5 +5,5 @@ engine's own step, with a "don't speculate" arm (our policy, not the paper's).
 - `calibration.py`: each row's calibration of the estimates to its realised acceptance.
 - `skip.py`: the skip arm's loop programs (undrafted steps, probes, the deferred context).
 
-Its cost table is the engine's (`decode/cost_table.py`, measured by `decode/step_cost.py`).
+Its cost table: `decode/cost_table.py` (measured by `bench/step_cost.py`).
 """

@@ -5,8 +5,8 @@ Dimensions: B engine rows (slots), K block size, W verify width (a bucket), NR r
 For each row count B it builds the engine and times `programs.run_loop`, the program serving
 runs, with the spec pinned to one bucket W (every row verifies W tokens a step, as
 `aot/decode_programs.py` compiles it for the TPU estimates), the plain engine's loop (no
-drafter), and the drafter's block forward. `table_from_steps` turns those into the table
-(`cost_table.py`), for the timings here and for the TPU compiler estimates alike:
+drafter), and the drafter's block forward. `VerifyCostTable.from_steps` turns those into the
+table, for the timings here and for the TPU compiler estimates alike:
 
     verify_ms[W=1] = step(plain)          draft_ms = draft forward
     verify_ms[W]   = step(drafted at W) − draft_ms      (so draft + verify[W] is that step)
@@ -16,8 +16,9 @@ where step(p) = (call(p, n steps) − call(p, 1 step)) / (n − 1): a call's own
 (dispatch, the loop's entry, the host fetch) cancels instead of being charged to every step.
 Every case is timed once per round, rounds interleaved (a machine whose speed drifts slows all
 cases alike), after one compiling round; a case's cost is its fastest round (interference
-only ever adds time). `load_or_measure` caches a table per device, models and settings under
-`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE).
+only ever adds time). `engine_table` gives `decode.build.build_engine` an engine's table,
+cached per device, models and settings under `~/.cache/adaflash_jax/verify_cost/` (override:
+`cache_dir=` or $ADAFLASH_CACHE).
 """
 
 from __future__ import annotations
@@ -41,38 +42,9 @@ from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 KIND = "engine-loop/1"  # bump when the step program changes: cached tables go stale
 
 
-def unit_table(slots: int, widths: tuple[int, ...]) -> VerifyCostTable:
-    """Every width costs the same: goodput's table before anything is measured."""
-    n = len(widths)
-    return VerifyCostTable(rows=(slots,), widths=widths, verify_ms=((1.0,) * n,), draft_ms=(0.0,))
-
-
 def pinned_spec(engine: SpeculativeEngine, width: int):
     """The engine's loop spec verifying exactly `width` tokens a row every step."""
     return dataclasses.replace(engine.spec, buckets=(width,), policy=FixedPolicy())
-
-
-def table_from_steps(
-    *, rows, widths, plain_ms, draft_ms, drafted_ms, switch_ms=0.0, device: str, model: str
-) -> VerifyCostTable:
-    """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
-    (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`."""
-    widths = tuple(int(w) for w in widths)
-    if 1 in widths:
-        raise ValueError("the drafted widths exclude 1: verify[1] is the plain step")
-    verify = [
-        (plain, *(max(d - draft, 1e-6) for d in drafted))
-        for plain, draft, drafted in zip(plain_ms, draft_ms, drafted_ms)
-    ]
-    return VerifyCostTable(
-        rows=tuple(rows),
-        widths=(1, *widths),
-        verify_ms=tuple(verify),
-        draft_ms=tuple(draft_ms),
-        switch_ms=switch_ms,
-        device=device,
-        model=model,
-    )
 
 
 @jax.jit
@@ -163,7 +135,7 @@ def measure(
         # a lone forward call carries its dispatch: never more than a drafted step holding it
         draft_ms.append(min([fastest[-1], *per_step[1:2]]))
         switch.append(max(fastest[1] - per_step[0], 0.0))
-    return table_from_steps(
+    return VerifyCostTable.from_steps(
         rows=sorted(set(int(r) for r in rows)),
         widths=widths,
         plain_ms=plain_ms,
@@ -202,12 +174,15 @@ def cache_path(target, drafter, *, rows, cache_dir: str | None = None, **setting
     return os.path.join(cache_dir or os.path.join(base, "verify_cost"), name)
 
 
-def load_or_measure(target, drafter, *, rows, cache_dir: str | None = None, **settings):
-    """The cached table for this device, models, rows and settings (`measure`'s keywords),
-    else a fresh measurement (then cached)."""
-    path = cache_path(target, drafter, rows=rows, cache_dir=cache_dir, **settings)
+def engine_table(engine: SpeculativeEngine, *, cache_dir: str | None = None) -> VerifyCostTable:
+    """The table of `engine`'s models and settings at its slot count: the cached one for this
+    device, else a fresh measurement (then cached)."""
+    settings = dict(capacity=engine.capacity, buckets=engine.buckets,
+                    temperature=engine.temperature, top_p=engine.top_p)  # fmt: skip
+    rows = (engine.slots,)
+    path = cache_path(engine.target, engine.drafter, rows=rows, cache_dir=cache_dir, **settings)
     if os.path.isfile(path):
         return VerifyCostTable.load(path)
-    table = measure(target, drafter, rows=rows, **settings)
+    table = measure(engine.target, engine.drafter, rows=rows, **settings)
     table.save(path)
     return table

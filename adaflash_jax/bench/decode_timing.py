@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from adaflash_jax.bench.step_cost import engine_table
 from adaflash_jax.decode.build import build_engine
 from adaflash_jax.decode.slots import SpeculativeEngine
 
@@ -96,7 +97,9 @@ def time_speculative(
     **engine_kw,
 ) -> dict:
     """Speculative decoding through the slots with the `build_engine` options in
-    `engine_kw` (policy by name or object, cost_table, buckets, temperature, ...)."""
+    `engine_kw` (policy by name or object, cost_table, buckets, temperature, ...); goodput
+    without a cost table reads its engine's measured one (`step_cost.engine_table`)."""
+    engine_kw.setdefault("cost_table", engine_table)
     engine = build_engine(
         target, drafter, slots=slots, capacity=capacity, eos_ids=eos_ids, **engine_kw
     )
