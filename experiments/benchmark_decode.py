@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.cli import one_line_errors
-from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
+from adaflash_jax.decode.generate import generate_jit, prepare_batch
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -60,7 +60,7 @@ def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int, repeats: int):
-    target = split_target(model)
+    target = nnx.split(model)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch, split_target
+from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch
 from adaflash_jax.decode.tokens import pick_tokens
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -181,7 +181,7 @@ def test_sampled_while_loop_equals_python_loop(model):
     batch = prepare_batch(
         CFG, prompts, max_new_tokens=max_new, temperature=temps, top_p=top_ps, eos_ids=eos
     )
-    final = generate_jit(split_target(model), *batch.arrays, jax.random.key(7), **batch.static)
+    final = generate_jit(nnx.split(model), *batch.arrays, jax.random.key(7), **batch.static)
     got = [final.tokens_BxT[i, : final.num_out_B[i]].tolist() for i in range(3)]
     assert got == expected
     assert got[0] == greedy[: greedy.index(eos[0]) + 1]

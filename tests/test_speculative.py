@@ -17,7 +17,7 @@ from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
-from adaflash_jax.decode.state import bucket_set, policy_slots
+from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.decode.step import admit
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
@@ -309,7 +309,7 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=1000)
     engine = _engine(target, drafter, policy=policy)
     assert engine.learnt is None
-    slots = policy_slots(target, drafter, 2)
+    slots = engine.policy_slots
     unlearnt = engine.init_state(0).policy_state  # no drafter forward: nothing learnt
     assert int(policy.init(slots, unlearnt).probe_due_at) == 0  # the first loop probes
     for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):

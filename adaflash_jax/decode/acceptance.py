@@ -2,22 +2,17 @@
 
 Dimensions: B rows, K block size (verify positions: the bonus token + K−1 drafts), V vocab.
 
-Verify position i (0-based) holds the target logits after [bonus, d_1..d_i], i.e. the
-target's prediction for the token that draft d_{i+1} proposes. A row with requested width
-w_b accepts at most w_b − 1 drafts; its new bonus token comes from position n_acc.
-
-Every acceptance function has the same signature, so the engine can be parametrised with a
-deliberately biased one in tests (`tests/doubles.py`):
+Verify position i (0-based) holds the target logits after [bonus, d_1..d_i]: its prediction
+for the token draft d_{i+1} proposes. A row of requested width w_b accepts at most w_b − 1
+drafts; its new bonus token comes from position n_acc. Every acceptance function has one
+signature, so tests can give the engine a deliberately biased one (`tests/doubles.py`):
 
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
 
-The engine calls it inside each verify-width branch with K = that width W (drafts and q cut
-to W − 1 positions, rows' width_B <= W); W = 1 (no drafts) must work: the bonus then comes
-straight from p at position 0.
-
-(temperature: scalar > 0; top_p: scalar, or None for "no nucleus filter", see
-`tokens.sampling_probs`.)
+The engine calls it in each verify-width branch with K = that width W (rows' width_B <= W);
+W = 1 (no drafts) must work: the bonus then comes from p at position 0. top_p None: no
+nucleus filter (`tokens.logits_to_probs`).
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.decode.tokens import sampling_probs
+from adaflash_jax.decode.tokens import logits_to_probs
 
 
 def leading_true(ok_BxN: jax.Array) -> jax.Array:
@@ -50,7 +45,7 @@ def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperatu
 def target_probs(logits_BxKxV, temperature, top_p):
     """The target's sampling distribution at every verify position [B, K, V]."""
     b, k, v = logits_BxKxV.shape
-    return sampling_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
+    return logits_to_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
 
 
 def _residual_sample(key, p_BxV, q_BxV):

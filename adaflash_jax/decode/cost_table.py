@@ -13,6 +13,7 @@ committed tokens by this cost inside the jitted step, so the table is static dat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -39,31 +40,24 @@ class VerifyCostTable:
     model: str = ""  # free-form description of the shapes measured
 
     def __post_init__(self):
-        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
-        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
-        object.__setattr__(
-            self, "verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms)
-        )
-        object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
-        object.__setattr__(self, "switch_ms", float(self.switch_ms))
-        if self.probe_ms is not None:
-            object.__setattr__(self, "probe_ms", float(self.probe_ms))
-            if not self.probe_ms >= 0:
-                raise ValueError(f"probe_ms must be non-negative: {self.probe_ms}")
-        if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
-            raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
-        if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
-            raise ValueError(f"cost table widths must be ascending positive ints: {self.widths}")
-        if len(self.verify_ms) != len(self.rows) or any(
-            len(r) != len(self.widths) for r in self.verify_ms
-        ):
+        fix = functools.partial(object.__setattr__, self)  # frozen: normalise in place
+        fix("rows", tuple(int(r) for r in self.rows))
+        fix("widths", tuple(int(w) for w in self.widths))
+        fix("verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms))
+        fix("draft_ms", tuple(float(x) for x in self.draft_ms))
+        fix("switch_ms", float(self.switch_ms))
+        fix("probe_ms", None if self.probe_ms is None else float(self.probe_ms))
+        for name, xs in (("rows", self.rows), ("widths", self.widths)):
+            if not xs or list(xs) != sorted(set(xs)) or xs[0] < 1:
+                raise ValueError(f"cost table {name} must be ascending positive ints: {xs}")
+        if [len(r) for r in self.verify_ms] != [len(self.widths)] * len(self.rows):
             raise ValueError("verify_ms must have one row per row count and one entry per width")
         if len(self.draft_ms) != len(self.rows):
             raise ValueError("draft_ms must have one entry per row count")
         if min(min(r) for r in self.verify_ms) <= 0 or min(self.draft_ms) < 0:
             raise ValueError("verify times must be positive and draft times non-negative")
-        if not self.switch_ms >= 0:
-            raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
+        if not self.switch_ms >= 0 or not (self.probe_ms is None or self.probe_ms >= 0):
+            raise ValueError(f"switch_ms, probe_ms must be >= 0: {self.switch_ms}, {self.probe_ms}")
 
     @classmethod
     def from_steps(cls, *, rows, widths, plain_ms, draft_ms, drafted_ms, **meta):
@@ -78,24 +72,24 @@ class VerifyCostTable:
         ]
         return cls(rows=rows, widths=(1, *widths), verify_ms=verify, draft_ms=draft_ms, **meta)
 
-    # ---- lookups ------------------------------------------------------------------------
+    # ---- lookups (jnp, traceable) --------------------------------------------------------
+    def _in_rows(self, num_rows, values_NR) -> jax.Array:
+        """At `num_rows` active rows: linear between measured row counts, clamped outside."""
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        return jnp.interp(n, jnp.asarray(self.rows, jnp.float32), values_NR)
+
     def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
-        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
-        traceable): linear in the row count between measured rows, clamped outside."""
+        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW]."""
         cols = [self.widths.index(w) for w in widths]
         verify_NRxNW = jnp.asarray(self.verify_ms, jnp.float32)[:, jnp.asarray(cols)]
-        rows_NR = jnp.asarray(self.rows, jnp.float32)
-        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
-        return jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
+        return jax.vmap(lambda col_NR: self._in_rows(num_rows, col_NR), in_axes=1)(verify_NRxNW)
 
     def draft_step_ms(self, num_rows) -> jax.Array:
-        """The drafter's block forward for `num_rows` active rows (jnp scalar, traceable)."""
-        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
-        rows_NR = jnp.asarray(self.rows, jnp.float32)
-        return jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
+        """The drafter's block forward for `num_rows` active rows (scalar)."""
+        return self._in_rows(num_rows, jnp.asarray(self.draft_ms, jnp.float32))
 
     def probe_step_ms(self, num_rows) -> jax.Array:
-        """One probe's cost (jnp scalar): measured, else the drafter's block forward."""
+        """One probe's cost (scalar): measured, else the drafter's block forward."""
         if self.probe_ms is not None:
             return jnp.asarray(self.probe_ms, jnp.float32)
         return self.draft_step_ms(num_rows)

@@ -8,8 +8,8 @@ length, so padding is written but never committed); then one token per step per 
 Rows stop independently on any EOS id (the EOS is kept) or their own max-new-tokens; a
 finished row keeps riding the batch with `num_new = 0`, so its cache never advances. Tokens
 are picked and committed by the same functions as the speculative engine's (`tokens.py`).
-The target travels as one (graphdef, state) pair (`split_target`; the graphdef is static
-pytree data): the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy).
+The target travels as one `nnx.split` (graphdef, state) pair (the graphdef is static pytree
+data): the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy).
 
 RNG schedule (the Python-loop reference in the tests follows it): `rng, key = split(rng)`
 before the prefill sample and before every step's sample.
@@ -46,11 +46,6 @@ class DecodeState:
     num_out_B: jax.Array  # int32 tokens generated so far
     done_B: jax.Array  # bool: hit EOS or its max-new-tokens
     rng: jax.Array
-
-
-def split_target(model: TargetLM) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state): the form jitted decoders take a model in."""
-    return nnx.split(model)
 
 
 def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_E) -> DecodeState:
@@ -202,7 +197,7 @@ def prepare_batch(
 
 
 def generate(
-    target: TargetLM | tuple[nnx.GraphDef, nnx.State],
+    target: TargetLM,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int | Sequence[int],
@@ -215,12 +210,8 @@ def generate(
     """Generates for a batch of token-id prompts; returns each row's new tokens, ending at
     (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
     temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
-    if isinstance(target, TargetLM):
-        cfg, target = target.config, split_target(target)
-    else:
-        cfg = nnx.merge(*target).config  # no arrays are copied
     batch = prepare_batch(
-        cfg,
+        target.config,
         prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -228,6 +219,6 @@ def generate(
         eos_ids=eos_ids,
         capacity=capacity,
     )
-    final = generate_jit(target, *batch.arrays, jax.random.key(seed), **batch.static)
+    final = generate_jit(nnx.split(target), *batch.arrays, jax.random.key(seed), **batch.static)
     tokens_BxT, num_out_B = jax.device_get((final.tokens_BxT, final.num_out_B))
     return [tokens_BxT[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

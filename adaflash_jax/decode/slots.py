@@ -27,8 +27,8 @@ from flax import nnx
 
 from adaflash_jax.decode import programs
 from adaflash_jax.decode.drafting import EngineDrafter
-from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError
-from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set, init_state, policy_slots
+from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError, Slots
+from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set
 from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
@@ -54,11 +54,10 @@ class Result:
 
 
 NO_ACCEPT_OUTPUT = (
-    "the policy reads per-position acceptance from the length head (estimator 'head'), but "
-    "this drafter has no accept_probs output: its acceptance part "
-    f"({ACCEPT_FILE}) is missing, e.g. after a transformers "
-    "save_pretrained, or was never trained (draft.accept_dim = 0). Re-attach it with "
-    "`python -m experiments.export RUN --out DIR` from the run's checkpoint"
+    "the policy reads per-position acceptance from the length head (estimator 'head'), but this "
+    f"drafter has no accept_probs output: its acceptance part ({ACCEPT_FILE}) is missing, e.g. "
+    "after a transformers save_pretrained, or was never trained (draft.accept_dim = 0). "
+    "Re-attach it with `python -m experiments.export RUN --out DIR` from the run's checkpoint"
 )
 
 
@@ -66,11 +65,8 @@ def has_accept_output(drafter) -> bool:
     return drafter.length_head is not None and drafter.length_head.has_accept_output
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return min(p, cap)
+def _pow2_at_least(n: int, cap: int) -> int:  # n >= 1
+    return min(1 << (n - 1).bit_length(), cap)
 
 
 class SpeculativeEngine:
@@ -140,6 +136,11 @@ class SpeculativeEngine:
             acceptance=acceptance,
             rows=rows,
         )
+        # what the policy sizes its state by: nD = the target features a committed token adds
+        nd = len(self.spec.feature_layers) * cfg.hidden_size
+        self.policy_slots = Slots(
+            count=slots, block_size=k, feature_dim=nd, feature_dtype=target.dtype
+        )
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
         # the policy state the latest `generate` ended with (None: none, or a stateless policy)
@@ -166,21 +167,34 @@ class SpeculativeEngine:
 
     # ---- device calls ---------------------------------------------------------------------
     def init_state(self, seed: int) -> SpecState:
-        """A fresh state; the policy's starts from what the latest `generate` ended with
-        (`learnt`: a policy that adapts across calls keeps what it learnt)."""
-        slots = policy_slots(self.target, self.drafter, self.slots)
-        state = init_state(
-            self.target,
-            self.drafter,
-            self.policy.init(slots, self.learnt),
-            slots=self.slots,
-            capacity=self.capacity,
-            eos_ids=self.eos_ids,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=seed,
+        """All slots free (done); buffers are `capacity` long (a request never outgrows it).
+        The policy's state starts from what the latest `generate` ended with (`learnt`)."""
+        b, cap, drafter = self.slots, self.capacity, self.drafter
+
+        def blank_BxS():  # one buffer per field: the state is donated, and a buffer may not be
+            return jnp.full((b, cap), -1, jnp.int32)  # donated twice in one call
+
+        state = SpecState(
+            target_cache=self.target.init_cache(b, cap),
+            context_cache=None if drafter is None else drafter.init_context_cache(b, cap),
+            bonus_B=jnp.zeros((b,), jnp.int32),
+            out_BxS=blank_BxS(),
+            num_out_B=jnp.zeros((b,), jnp.int32),
+            max_new_B=jnp.zeros((b,), jnp.int32),
+            done_B=jnp.ones((b,), bool),
+            started_B=jnp.zeros((b,), bool),
+            eos_E=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
+            steps_B=jnp.zeros((b,), jnp.int32),
+            accepted_BxS=blank_BxS(),
+            width_BxS=blank_BxS(),
+            request_BxS=blank_BxS(),
+            probes=jnp.zeros((), jnp.int32),
+            policy_state=self.policy.init(self.policy_slots, self.learnt),
+            temperature=jnp.asarray(self.temperature, jnp.float32),
+            top_p=jnp.asarray(self.top_p, jnp.float32),
+            rng=jax.random.key(seed),
         )
-        return state if self.spec.rows is None else self.spec.rows.place(state, self.slots)
+        return state if self.spec.rows is None else self.spec.rows.place(state, b)
 
     def forget(self) -> None:
         """Forgets what earlier `generate` calls taught the policy."""
@@ -262,16 +276,8 @@ class SpeculativeEngine:
         return results
 
     def _harvest(self, state, slots, owner, results):
-        out, n_out, acc, width, req, steps = fetch(
-            (
-                state.out_BxS,
-                state.num_out_B,
-                state.accepted_BxS,
-                state.width_BxS,
-                state.request_BxS,
-                state.steps_B,
-            )
-        )
+        out, n_out, steps = fetch((state.out_BxS, state.num_out_B, state.steps_B))
+        acc, width, req = fetch((state.accepted_BxS, state.width_BxS, state.request_BxS))
         eos = set(self.eos_ids)
         for slot in slots:
             i = owner.pop(slot)

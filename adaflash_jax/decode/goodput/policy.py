@@ -4,23 +4,22 @@ Dimensions: B slots, K block size, NW widths (the verify buckets), V vocab, U de
 context positions, nD concatenated target features.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
-step_ms(W) over the bucket set, where E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each
-row's per-position acceptance estimates a_i (drafts < i accepted) and step_ms is the cost
-table's draft + verify time (`decode/cost_table.py`).
+step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
+estimates a_i (the chance draft i is accepted, drafts < i accepted), step_ms the cost
+table's draft + verify time.
 
-With `skip_draft` (the "don't speculate" arm), before drafting it compares the best
-expected rate of a drafted step against a plain target step (width 1, no drafter forward),
-from each row's estimates of its latest drafter forward (a drafted step's or a probe's; a
-fresh request starts at the engine's running mean, 1 before any), calibrated to the row's
-realised acceptance (`calibration.py`). The decision reads earlier steps only and an
-undrafted step is exactly a plain decoding step, so decoding stays lossless. The engine runs
-the arm as two loop programs (`skip.py`). Without the arm the policy keeps no state.
+With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain target
+step (width 1, no drafter forward) runs instead when its rate beats drafting's best, judged
+from each row's latest drafter forward (a drafted step's or a probe's; a fresh request
+starts at the engine's running mean, 1 before any), calibrated to the row's realised
+acceptance (`calibration.py`). Decisions read earlier steps only and an undrafted step is
+exactly a plain step, so decoding stays lossless. Without the arm the policy keeps no state.
 
-Acceptance estimators (per-position acceptance probability a_i of draft i):
-- "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
-  at temperature 1. For a calibrated drafter this is the chance its argmax is the target's.
-- "length_head": r estimates (A + 1)/K (docs/design.md §4.3), so the mean accepted streak is
-  m = clip(r·K − 1, 0, K − 1); a constant per-position rate a solves Σ_{i=1}^{K−1} a^i = m.
+Estimators of a_i:
+- "confidence": the drafter's top probability at temperature 1 (for a calibrated drafter,
+  the chance its argmax is the target's).
+- "length_head": r estimates (A + 1)/K (docs/design.md §4.3); the constant rate a with
+  Σ_{i=1}^{K−1} a^i = clip(r·K − 1, 0, K − 1).
 - "head": the length head's per-position acceptance output (`LengthHead.accept_probs`).
 """
 
@@ -35,7 +34,7 @@ from flax import struct
 
 from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput import skip
-from adaflash_jax.decode.goodput.calibration import accepted_by_width, calibrated, update
+from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
 from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
 
 ESTIMATORS = ("confidence", "length_head", "head")
@@ -43,26 +42,15 @@ PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh re
 
 
 # ---- acceptance estimators -----------------------------------------------------------------
-def confidence_accept_probs(logits_BxKm1xV: jax.Array) -> jax.Array:
-    return jnp.max(jax.nn.softmax(logits_BxKm1xV.astype(jnp.float32), axis=-1), axis=-1)
-
-
 def geometric_rate(mean_accepted_B: jax.Array, num_drafts: int, iters: int = 40) -> jax.Array:
-    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts), by bisection
-    (the sum is increasing in a)."""
+    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts)."""
     powers_N = jnp.arange(1, num_drafts + 1, dtype=jnp.float32)
     target_B = jnp.clip(mean_accepted_B.astype(jnp.float32), 0.0, float(num_drafts))
 
-    def body(_, lo_hi):
-        lo_B, hi_B = lo_hi
-        mid_B = 0.5 * (lo_B + hi_B)
-        too_big_B = jnp.sum(mid_B[:, None] ** powers_N[None, :], axis=-1) > target_B
-        return jnp.where(too_big_B, lo_B, mid_B), jnp.where(too_big_B, mid_B, hi_B)
+    def too_big(a_B):  # the sum grows with a
+        return jnp.sum(a_B[:, None] ** powers_N[None, :], axis=-1) > target_B
 
-    lo_B, hi_B = jax.lax.fori_loop(
-        0, iters, body, (jnp.zeros_like(target_B), jnp.ones_like(target_B))
-    )
-    return 0.5 * (lo_B + hi_B)
+    return bisect(too_big, jnp.zeros_like(target_B), jnp.ones_like(target_B), iters)
 
 
 def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
@@ -72,7 +60,8 @@ def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
 
 def accept_probs(draft: Draft, estimator: str) -> jax.Array:
     if estimator == "confidence":
-        return confidence_accept_probs(draft.logits_BxKm1xV)
+        logits_BxKm1xV = draft.logits_BxKm1xV.astype(jnp.float32)
+        return jnp.max(jax.nn.softmax(logits_BxKm1xV, axis=-1), axis=-1)
     if estimator == "length_head":
         return length_head_accept_probs(draft.length_r_B, draft.block_size)
     return draft.head_accept_BxKm1.astype(jnp.float32)
@@ -103,15 +92,10 @@ class GoodputState:
     pending_BxUxnD: jax.Array  # undrafted steps' target features not yet in the context
     pending_B: jax.Array  # int32 positions held per row
 
-    def fresh_request_estimate(self) -> jax.Array:
-        """A request's estimate before its first drafter forward [K−1]: the prior, 1
-        (drafting pays) before any forward."""
-        return jnp.where(self.prior_Km1 < 0, 1.0, self.prior_Km1)
-
     def refreshed(self, a_BxKm1: jax.Array, active_B: jax.Array) -> GoodputState:
-        """The state after a drafter forward estimated `a_BxKm1`: the active rows' estimates,
-        and the prior, an EMA of their mean set to that mean by the first forward (starting
-        fresh requests at 1 would force a draft on admission even where drafting never pays)."""
+        """After a drafter forward estimated `a_BxKm1`: the active rows' estimates, and the
+        prior, an EMA of their mean that the first forward sets to it (starting fresh
+        requests at 1 would force a draft on admission even where drafting never pays)."""
         n = jnp.sum(active_B)
         mean_Km1 = jnp.sum(jnp.where(active_B[:, None], a_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
         ema_Km1 = (1.0 - PRIOR_RATE) * self.prior_Km1 + PRIOR_RATE * mean_Km1
@@ -218,24 +202,30 @@ class GoodputPolicy:
             pending_B=jnp.zeros((b,), jnp.int32),
         )
 
+    def _tokens_per_ms(self, a_BxKm1, log_gamma, active_B, buckets, extra_ms=0.0):
+        """Expected committed tokens per ms of a drafted step at each bucket [NW], summed over
+        the active rows."""
+        gain_BxNW = expected_committed(a_BxKm1, buckets, log_gamma)
+        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+        num_running = jnp.sum(active_B.astype(jnp.int32))
+        return total_NW / (self.cost.step_ms(num_running, buckets) + extra_ms)
+
     def widths(self, draft: Draft, state):
         a_BxKm1 = accept_probs(draft, self.estimator)
         log_gamma = state.log_gamma_B if self.skip_draft else 0.0
-        gain_BxNW = expected_committed(a_BxKm1, draft.buckets, log_gamma)
-        total_NW = jnp.sum(jnp.where(draft.active_B[:, None], gain_BxNW, 0.0), axis=0)
-        best = jnp.argmax(total_NW / self.cost.step_ms(draft.num_running, draft.buckets))
+        best = jnp.argmax(self._tokens_per_ms(a_BxKm1, log_gamma, draft.active_B, draft.buckets))
         width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
         return width_B, state.refreshed(a_BxKm1, draft.active_B) if self.skip_draft else state
 
     def observe(self, outcome: Outcome, state):
-        """Admitted rows start from the engine-wide estimate and γ (their deferred context
-        and probe are of the old request); verified rows' realised acceptance calibrates
-        their estimates."""
+        """Admitted rows start from the engine-wide estimate (1 before any drafter forward)
+        and γ (their deferred context and probe are of the old request); verified rows'
+        realised acceptance calibrates their estimates."""
         if not self.skip_draft:
             return state
         if outcome.started_B is not None:
             new_B = outcome.started_B
-            fresh_Km1 = state.fresh_request_estimate()
+            fresh_Km1 = jnp.where(state.prior_Km1 < 0, 1.0, state.prior_Km1)
             state = state.replace(
                 est_BxKm1=jnp.where(new_B[:, None], fresh_Km1, state.est_BxKm1),
                 log_gamma_B=jnp.where(new_B, state.log_gamma, state.log_gamma_B),
@@ -257,14 +247,12 @@ class GoodputPolicy:
     # ---- the skip arm's decisions (skip.py asks them between steps) ----------------------
     def _rates(self, state, active_B, buckets, switching: bool):
         """(best drafted, plain) expected committed tokens per ms over the active rows."""
+        extra_ms = self.cost.switch_ms / self.switch_horizon if switching else 0.0
+        drafted_NW = self._tokens_per_ms(
+            state.est_BxKm1, state.log_gamma_B, active_B, buckets, extra_ms
+        )
         num_running = jnp.sum(active_B.astype(jnp.int32))
-        gain_BxNW = expected_committed(state.est_BxKm1, buckets, state.log_gamma_B)
-        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
-        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
-        if switching:
-            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms / self.switch_horizon
-        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
-        return jnp.max(total_NW / drafted_ms_NW), plain_rate
+        return jnp.max(drafted_NW), num_running / self.cost.verify_step_ms(num_running, (1,))[0]
 
     def speculate(self, state, active_B, *, buckets, switching: bool):
         """Whether the next step drafts (bool scalar): the best expected committed tokens per
