@@ -66,11 +66,11 @@ def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int
 
     def median_seconds(n: int) -> float:
         # No EOS ids: every row runs exactly n tokens. Same capacity for both lengths.
-        prepared = prepare_batch(
+        arrays, static = prepare_batch(
             model.config, prompts, max_new_tokens=n, eos_ids=(), capacity=prompt_len + new_tokens
         )
         key = jax.random.key(0)
-        run = lambda: generate_jit(target, *prepared.arrays, key, **prepared.static)  # noqa: E731
+        run = lambda: generate_jit(target, *arrays, key, **static)  # noqa: E731
         return statistics.median(time_callable(run, repeats))
 
     t_full, t_one = median_seconds(new_tokens), median_seconds(1)

@@ -16,9 +16,9 @@ where step(p) = (call(p, n steps) − call(p, 1 step)) / (n − 1): a call's own
 (dispatch, the loop's entry, the host fetch) cancels instead of being charged to every step.
 Every case is timed once per round, rounds interleaved (a machine whose speed drifts slows all
 cases alike), after one compiling round; a case's cost is its fastest round (interference
-only ever adds time). `engine_table` gives `decode.build.build_engine` an engine's table,
-cached per device, models and settings under `~/.cache/adaflash_jax/verify_cost/` (override:
-`cache_dir=` or $ADAFLASH_CACHE).
+only ever adds time). `engine_table` measures the table of one goodput engine for
+`decode.build.build_engine`, cached per device, models and settings under
+`~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from flax import nnx
 
 from adaflash_jax.decode import programs
 from adaflash_jax.decode.cost_table import VerifyCostTable
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import FixedPolicy
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 
@@ -174,15 +175,25 @@ def cache_path(target, drafter, *, rows, cache_dir: str | None = None, **setting
     return os.path.join(cache_dir or os.path.join(base, "verify_cost"), name)
 
 
-def engine_table(engine: SpeculativeEngine, *, cache_dir: str | None = None) -> VerifyCostTable:
-    """The table of `engine`'s models and settings at its slot count: the cached one for this
-    device, else a fresh measurement (then cached)."""
-    settings = dict(capacity=engine.capacity, buckets=engine.buckets,
-                    temperature=engine.temperature, top_p=engine.top_p)  # fmt: skip
-    rows = (engine.slots,)
-    path = cache_path(engine.target, engine.drafter, rows=rows, cache_dir=cache_dir, **settings)
+def engine_table(
+    target, drafter, *, policy_kwargs: dict | None = None, cache_dir: str | None = None, **engine_kw
+) -> VerifyCostTable:
+    """The table of the goodput engine `build_engine(target, drafter, policy="goodput",
+    policy_kwargs=..., **engine_kw)` builds: the cached one for this device, models and
+    settings, else a fresh measurement (then cached). The engine's settings and goodput's
+    options are checked first, on a flat table, before any compute."""
+    k = max(engine_kw.get("block_size") or drafter.config.block_size, 1)
+    flat = VerifyCostTable(
+        rows=(1,), widths=range(1, k + 1), verify_ms=((1.0,) * k,), draft_ms=(0,)
+    )
+    policy = GoodputPolicy(cost=flat, **(policy_kwargs or {}))
+    e = SpeculativeEngine(target, drafter, **engine_kw, policy=policy)
+    settings = dict(
+        capacity=e.capacity, buckets=e.buckets, temperature=e.temperature, top_p=e.top_p
+    )
+    path = cache_path(e.target, e.drafter, rows=(e.slots,), cache_dir=cache_dir, **settings)
     if os.path.isfile(path):
         return VerifyCostTable.load(path)
-    table = measure(engine.target, engine.drafter, rows=rows, **settings)
+    table = measure(e.target, e.drafter, rows=(e.slots,), **settings)
     table.save(path)
     return table

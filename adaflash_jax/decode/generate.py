@@ -17,7 +17,6 @@ before the prefill sample and before every step's sample.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -125,14 +124,6 @@ def _per_row(value, b: int, name: str) -> list:
     return values
 
 
-@dataclasses.dataclass(frozen=True)
-class PreparedBatch:
-    """Validated device inputs for `generate_jit` and its static knobs."""
-
-    arrays: tuple[jax.Array, ...]  # prompt_BxQ, prompt_len_B, max_new_B, temperature_B, top_p_B
-    static: dict  # max_new_tokens, capacity, eos_ids, greedy
-
-
 def prepare_batch(
     cfg: TargetConfig,
     prompts: Sequence[Sequence[int]],
@@ -142,8 +133,10 @@ def prepare_batch(
     top_p: float | Sequence[float] = 1.0,
     eos_ids: Sequence[int] | None = None,
     capacity: int | None = None,
-) -> PreparedBatch:
-    """Checks every request against the model BEFORE any compute, then pads the batch."""
+) -> tuple[tuple[jax.Array, ...], dict]:
+    """Checks every request against the model BEFORE any compute, then pads the batch.
+    Returns `generate_jit`'s arrays (prompt_BxQ, prompt_len_B, max_new_B, temperature_B,
+    top_p_B) and static keywords."""
     b = len(prompts)
     if b == 0:
         raise GenerateError("no prompts given")
@@ -179,21 +172,11 @@ def prepare_batch(
     for i, prompt in enumerate(prompts):
         prompt_BxQ[i, : len(prompt)] = np.asarray(prompt, np.int32)
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-    arrays = (
-        jnp.asarray(prompt_BxQ),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(max_new, jnp.int32),
-        jnp.asarray(temps, jnp.float32),
-        jnp.asarray(top_ps, jnp.float32),
-    )
-    static = dict(
-        max_new_tokens=n,
-        capacity=capacity,
-        eos_ids=eos,
-        greedy=all(t == 0 for t in temps),
-        nucleus=any(p < 1.0 for p in top_ps),
-    )
-    return PreparedBatch(arrays=arrays, static=static)
+    arrays = tuple(jnp.asarray(x, jnp.int32) for x in (prompt_BxQ, lengths, max_new))
+    arrays += (jnp.asarray(temps, jnp.float32), jnp.asarray(top_ps, jnp.float32))
+    greedy, nucleus = all(t == 0 for t in temps), any(p < 1.0 for p in top_ps)
+    static = dict(max_new_tokens=n, capacity=capacity, eos_ids=eos, greedy=greedy, nucleus=nucleus)
+    return arrays, static
 
 
 def generate(
@@ -210,7 +193,7 @@ def generate(
     """Generates for a batch of token-id prompts; returns each row's new tokens, ending at
     (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
     temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
-    batch = prepare_batch(
+    arrays, static = prepare_batch(
         target.config,
         prompts,
         max_new_tokens=max_new_tokens,
@@ -219,6 +202,6 @@ def generate(
         eos_ids=eos_ids,
         capacity=capacity,
     )
-    final = generate_jit(nnx.split(target), *batch.arrays, jax.random.key(seed), **batch.static)
+    final = generate_jit(nnx.split(target), *arrays, jax.random.key(seed), **static)
     tokens_BxT, num_out_B = jax.device_get((final.tokens_BxT, final.num_out_B))
     return [tokens_BxT[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

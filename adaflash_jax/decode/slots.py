@@ -4,13 +4,10 @@ The device runs a loop program of jitted steps (`programs.run_loop`) until an ac
 finishes; the host then harvests finished slots, prefills the next queued requests into the
 free ones (one jitted prefill per group, prompt lengths and row counts padded to powers of
 two to bound compiles) and continues until the queue is empty and every slot is done. A
-policy with several loop programs (goodput's skip arm) says which to run next; the host
-switches.
+policy with several loop programs (goodput's skip arm) says which runs next.
 
     engine = SpeculativeEngine(target, drafter, slots=4, capacity=512, policy=AdaFlashPolicy())
     results = engine.generate([(prompt_ids, max_new_tokens), ...])   # list[Result]
-
-`build.build_engine` makes one from a policy name.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class Result:
     output_ids: list[int]  # generated tokens, ending at (and including) an EOS if one came
     accepted: list[int]  # accepted drafts per verify step
     widths: list[int]  # batch verify width (bucket the target ran) per step
-    requested_widths: list[int]  # the width the policy asked for this row per step; 0 marks
-    # an undrafted (plain) step of goodput's skip arm
+    requested_widths: list[int]  # the policy's width for this row per step (0: undrafted)
     steps: int  # verify steps (the first token comes from the prefill, not a step)
     tau: float  # mean tokens committed per verify step (accepted + 1); nan without steps
     finish_reason: str  # "eos" or "length"
@@ -145,7 +141,7 @@ class SpeculativeEngine:
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
         # the policy state the latest `generate` ended with (None: none, or a stateless policy)
         self.learnt = None
-        self.last_run: dict = {}  # loop steps / device calls / probes of the latest `generate`
+        self.last_run: dict = {}  # loop steps and probes of the latest `generate`
         self._program = 0  # the loop program `run` continues with
 
     # ---- validation -----------------------------------------------------------------------
@@ -203,8 +199,8 @@ class SpeculativeEngine:
     def prefill(self, state, assignments):
         """assignments: list of (slot, prompt, max_new) started in one padded call."""
         rows = _pow2_at_least(len(assignments), self.slots)
-        q = _pow2_at_least(max(len(a[1]) for a in assignments), self.capacity)
-        q = max(q, min(16, self.capacity))
+        q = max(_pow2_at_least(max(len(a[1]) for a in assignments), self.capacity), 16)
+        q = min(q, self.capacity)
         slots_I = np.full((rows,), self.slots, np.int32)  # padding rows → dropped
         prompt_IxQ = np.zeros((rows, q), np.int32)
         len_I = np.ones((rows,), np.int32)
@@ -239,18 +235,18 @@ class SpeculativeEngine:
             self._program = int(nxt)
 
     # ---- host scheduler -------------------------------------------------------------------
-    def generate(self, requests: Sequence[tuple[Sequence[int], int]], *, seed=None) -> list:
+    def generate(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[Result]:
         """Decodes every (prompt_ids, max_new_tokens) request; results in request order."""
         requests = [(list(map(int, p)), int(m)) for p, m in requests]
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
-        state = self.init_state(self.seed if seed is None else seed)
+        state = self.init_state(self.seed)
         self._program = 0
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index
         results: list[Result | None] = [None] * len(requests)
-        loop_steps, calls = 0, 0
+        loop_steps = 0
         while queue or owner:
             starts = []
             while queue and free:
@@ -259,20 +255,16 @@ class SpeculativeEngine:
                 starts.append((slot, *requests[i]))
             if starts:
                 state = self.prefill(state, starts)
-            state, steps, n_calls, done_B = self.run(state, stop_on_finish=bool(queue))
-            loop_steps, calls = loop_steps + steps, calls + n_calls
+            state, steps, _, done_B = self.run(state, stop_on_finish=bool(queue))
+            loop_steps += steps
             finished = [slot for slot in owner if done_B[slot]]
             if finished:
                 self._harvest(state, finished, owner, results)
-                free.extend(finished)
-                free.sort()
+                free = sorted(free + finished)
         # what the next call's policy state starts from (None: the policy keeps nothing)
         self.learnt = state.policy_state if jax.tree.leaves(state.policy_state) else None
-        self.last_run = {
-            "loop_steps": loop_steps,
-            "device_loops": calls,
-            "probes": int(fetch(state.probes)),  # drafter forwards, no verify
-        }
+        # probes: drafter forwards that verified nothing
+        self.last_run = {"loop_steps": loop_steps, "probes": int(fetch(state.probes))}
         return results
 
     def _harvest(self, state, slots, owner, results):

@@ -184,14 +184,13 @@ class GoodputPolicy:
                 raise ValueError(f"previous state has {p.size} positions, not K - 1 = {km1}")
             learnt = bool(p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg))
             prior, log_gamma = (p, lg) if learnt else (prior, log_gamma)
-        zeros_B = jnp.zeros((b,), jnp.int32)
         return GoodputState(
             est_BxKm1=jnp.ones((b, km1), jnp.float32),
             prior_Km1=jnp.asarray(prior, jnp.float32),
             log_gamma_B=jnp.zeros((b,), jnp.float32),
             log_gamma=jnp.asarray(log_gamma, jnp.float32),
             probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
-            probe_at_B=zeros_B,
+            probe_at_B=jnp.zeros((b,), jnp.int32),
             probe_live_B=jnp.zeros((b,), bool),
             undrafted=jnp.zeros((), jnp.int32),
             # 0: the first undrafted loop probes at once; 1: its entry sets the interval
