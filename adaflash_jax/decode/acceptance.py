@@ -4,15 +4,14 @@ Dimensions: B rows, K block size (verify positions: the bonus token + K−1 draf
 
 Verify position i (0-based) holds the target logits after [bonus, d_1..d_i]: its prediction
 for the token draft d_{i+1} proposes. A row of requested width w_b accepts at most w_b − 1
-drafts; its new bonus token comes from position n_acc. Every acceptance function has one
+drafts; its new bonus comes from position n_acc. Every acceptance function has one
 signature, so tests can give the engine a deliberately biased one (`tests/doubles.py`):
 
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
 
-The engine calls it in each verify-width branch with K = that width W (rows' width_B <= W);
-W = 1 (no drafts) must work: the bonus then comes from p at position 0. top_p None: no
-nucleus filter (`tokens.logits_to_probs`).
+Called in each verify branch with K = its width W; W = 1 (no drafts: the bonus from p at
+position 0) must work. top_p None: no nucleus filter (`tokens.logits_to_probs`).
 """
 
 from __future__ import annotations

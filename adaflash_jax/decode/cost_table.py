@@ -3,11 +3,10 @@ JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the p
 
 Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
 
-Its producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
-estimates, `aot/programs.py`) decompose the engine's steps the same way (`from_steps`):
-`verify_ms[·][W=1]` is the plain (undrafted) step, `draft_ms` the drafter's block forward,
-and draft + verify[W] the drafted step verifying W tokens a row. Goodput divides expected
-committed tokens by this cost inside the jitted step, so the table is static data (tuples).
+Both producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
+estimates, `aot/programs.py`) decompose the steps alike (`from_steps`): `verify_ms[·][W=1]` is
+the plain step, `draft_ms` the drafter's block forward, draft + verify[W] the drafted step at
+width W. Goodput reads it inside the jitted step, so the table is static data (tuples).
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@ Dimensions: B rows, Q padded prompt length, T max new tokens (static), S cache c
 V vocab.
 
 Prompts are right-padded and prefilled in ONE target call (`num_new_B` = each row's prompt
-length, so padding is written but never committed); then one token per step per row.
-Rows stop independently on any EOS id (the EOS is kept) or their own max-new-tokens; a
-finished row keeps riding the batch with `num_new = 0`, so its cache never advances. Tokens
-are picked and committed by the same functions as the speculative engine's (`tokens.py`).
-The target travels as one `nnx.split` (graphdef, state) pair (the graphdef is static pytree
-data): the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy).
-
-RNG schedule (the Python-loop reference in the tests follows it): `rng, key = split(rng)`
-before the prefill sample and before every step's sample.
+length: padding is written but never committed); then one token per step per row. Rows stop
+independently on any EOS id (kept) or their own max-new-tokens; a finished row rides along
+with `num_new = 0`, so its cache never advances. Tokens are picked and committed as in the
+speculative engine (`tokens.py`). The target travels as an `nnx.split` (graphdef, state)
+pair: the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy). RNG schedule
+(the tests' Python-loop reference follows it): `rng, key = split(rng)` before every sample.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""The speculative engine's state and static spec (docs/design.md §5, §8).
+"""The speculative engine's state and static spec (docs/design.md §5.1).
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
 eos ids, K block size, W verify width (a bucket).
 
-Invariants of a live slot b (one request): `bonus_B[b]` is the last committed token; neither
-its target K/V nor its target features exist yet, so `target_cache.lengths[b]` is its
-position (and so is `context_cache.lengths[b]`, unless a policy defers context entries: see
-goodput's skip arm). Finished and free slots ride along masked: nothing they compute is
-committed. The plain path (`drafter is None`) uses the same state with width 1 and no
-drafter context.
+Invariants of a live slot b: `bonus_B[b]` is the last committed token; neither its target
+K/V nor its features exist yet, so `target_cache.lengths[b]` is its position (and so is
+`context_cache.lengths[b]`, unless a policy defers context entries: goodput's skip arm).
+Finished and free slots ride along masked: nothing they compute is committed. The plain
+path (`drafter is None`) uses the same state with width 1 and no drafter context.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ E eos ids.
 
 `logits_to_probs` IS the distribution `pick_tokens` draws from and rejection sampling
 verifies against, so lossless speculative decoding reproduces plain sampling exactly.
-Temperature 0 is the greedy limit: a one-hot at the argmax (the first one, on ties).
+Temperature 0 is the greedy limit: a one-hot at the (first) argmax.
 """
 
 from __future__ import annotations

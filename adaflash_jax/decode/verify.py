@@ -6,11 +6,10 @@ dim, nD concatenated target features.
 The target runs over [bonus, d_1..d_{W−1}] at the smallest bucket W >= the largest active
 request, one switch branch per bucket (one compiled program for every width). Each branch
 runs the target in "read" cache mode (a branch that wrote the cache would make XLA copy it
-every step; see `model/target.py`) and accepts its W − 1 drafts there: the logits never
-leave their branch (padding [B, W, V] to K and accepting over K positions would cost as much
-as the forward at small widths). The drafter-context entries of the (at most W) committed
-tokens are computed in the branch too, over W positions only. The branch returns the new
-target and context entries padded to K; the step writes both caches after the switch.
+every step; see `model/target.py`) and accepts there: the logits never leave their branch
+(padding [B, W, V] to K and accepting over K would cost as much as the forward at small
+widths). It computes the drafter-context entries of its (at most W) committable tokens too,
+and returns both caches' new entries padded to K; the step writes them after the switch.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
-"""The goodput length policy (`LengthPolicy`) and its acceptance estimators.
+"""The goodput length policy (`LengthPolicy`) and its acceptance estimators (docs/design.md §5.4).
 
 Dimensions: B slots, K block size, NW widths (the verify buckets), V vocab, U deferred
 context positions, nD concatenated target features.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
 step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
-estimates a_i (the chance draft i is accepted, drafts < i accepted), step_ms the cost
-table's draft + verify time.
+estimates a_i (the chance draft i is accepted, drafts < i accepted: the drafter's top
+probability, "confidence"; the constant rate the length head's r implies, "length_head"; or
+the head's acceptance output, "head"), step_ms the cost table's draft + verify time.
 
-With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain target
-step (width 1, no drafter forward) runs instead when its rate beats drafting's best, judged
-from each row's latest drafter forward (a drafted step's or a probe's; a fresh request
-starts at the engine's running mean, 1 before any), calibrated to the row's realised
-acceptance (`calibration.py`). Decisions read earlier steps only and an undrafted step is
-exactly a plain step, so decoding stays lossless. Without the arm the policy keeps no state.
-
-Estimators of a_i:
-- "confidence": the drafter's top probability at temperature 1 (for a calibrated drafter,
-  the chance its argmax is the target's).
-- "length_head": r estimates (A + 1)/K (docs/design.md §4.3); the constant rate a with
-  Σ_{i=1}^{K−1} a^i = clip(r·K − 1, 0, K − 1).
-- "head": the length head's per-position acceptance output (`LengthHead.accept_probs`).
+With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain step
+(width 1, no drafter forward) runs instead when its rate beats drafting's best, judged from
+each row's latest drafter forward (a drafted step's or a probe's; a fresh request starts at
+the engine's running mean, 1 before any), calibrated to the row's realised acceptance
+(`calibration.py`). Decisions read earlier steps only and an undrafted step is exactly a
+plain step, so decoding stays lossless. Without the arm the policy keeps no state.
 """
 
 from __future__ import annotations
