@@ -32,9 +32,6 @@ class VerifyCostTable:
     # one device call's own overhead (dispatch, loop entry, host fetch): what a host switch
     # between loop programs costs (0 where unknown)
     switch_ms: float = 0.0
-    # one probe of goodput's undrafted program (the drafter forward, context flush and loop
-    # exit); None: the draft time
-    probe_ms: float | None = None
     device: str = "unknown"
     model: str = ""  # free-form description of the shapes measured
 
@@ -45,7 +42,6 @@ class VerifyCostTable:
         fix("verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms))
         fix("draft_ms", tuple(float(x) for x in self.draft_ms))
         fix("switch_ms", float(self.switch_ms))
-        fix("probe_ms", None if self.probe_ms is None else float(self.probe_ms))
         for name, xs in (("rows", self.rows), ("widths", self.widths)):
             if not xs or list(xs) != sorted(set(xs)) or xs[0] < 1:
                 raise ValueError(f"cost table {name} must be ascending positive ints: {xs}")
@@ -55,8 +51,8 @@ class VerifyCostTable:
             raise ValueError("draft_ms must have one entry per row count")
         if min(min(r) for r in self.verify_ms) <= 0 or min(self.draft_ms) < 0:
             raise ValueError("verify times must be positive and draft times non-negative")
-        if not self.switch_ms >= 0 or not (self.probe_ms is None or self.probe_ms >= 0):
-            raise ValueError(f"switch_ms, probe_ms must be >= 0: {self.switch_ms}, {self.probe_ms}")
+        if not self.switch_ms >= 0:
+            raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
 
     @classmethod
     def from_steps(cls, *, rows, widths, plain_ms, draft_ms, drafted_ms, **meta):
@@ -86,12 +82,6 @@ class VerifyCostTable:
     def draft_step_ms(self, num_rows) -> jax.Array:
         """The drafter's block forward for `num_rows` active rows (scalar)."""
         return self._in_rows(num_rows, jnp.asarray(self.draft_ms, jnp.float32))
-
-    def probe_step_ms(self, num_rows) -> jax.Array:
-        """One probe's cost (scalar): measured, else the drafter's block forward."""
-        if self.probe_ms is not None:
-            return jnp.asarray(self.probe_ms, jnp.float32)
-        return self.draft_step_ms(num_rows)
 
     def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
         """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""

@@ -192,10 +192,6 @@ class SpeculativeEngine:
         )
         return state if self.spec.rows is None else self.spec.rows.place(state, b)
 
-    def forget(self) -> None:
-        """Forgets what earlier `generate` calls taught the policy."""
-        self.learnt = None
-
     def prefill(self, state, assignments):
         """assignments: list of (slot, prompt, max_new) started in one padded call."""
         rows = _pow2_at_least(len(assignments), self.slots)

@@ -109,9 +109,8 @@ class GoodputPolicy:
     cost: VerifyCostTable
     estimator: str = "confidence"
     skip_draft: bool = True
-    # Undrafted steps between probes. None: as many as keep a probe's cost (the table's probe
-    # time, else its draft time) within `probe_overhead` of the plain steps' time, capped at
-    # `max_probe_every`.
+    # Undrafted steps between probes. None: as many as keep a probe's cost (the table's draft
+    # time) within `probe_overhead` of the plain steps' time, capped at `max_probe_every`.
     probe_every: int | None = None
     probe_overhead: float = 0.05
     max_probe_every: int = 64
@@ -271,13 +270,13 @@ class GoodputPolicy:
         return self.interval_at_gain(gain, jnp.sum(active_B.astype(jnp.int32)))
 
     def interval_at_gain(self, gain, num_running) -> jax.Array:
-        """A probe is one drafter forward without a verify: its cost is the table's probe
-        time, else its draft time. The base interval keeps probes within `probe_overhead` of
-        the plain steps' time; it is scaled by 2·(1 − gain), clipped to [1/8, 2]: a row set
-        where drafting nearly pays is probed up to 8x as often (each graded probe also
-        calibrates the estimates), one far from it half as often."""
+        """A probe is one drafter forward without a verify (the table's draft time). The base
+        interval keeps probes within `probe_overhead` of the plain steps' time; it is scaled by
+        2·(1 − gain), clipped to [1/8, 2]: a row set where drafting nearly pays is probed up to
+        8x as often (each graded probe also calibrates the estimates), one far from it half as
+        often."""
         plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
-        probe_ms = self.cost.probe_step_ms(num_running)
+        probe_ms = self.cost.draft_step_ms(num_running)
         urgency = jnp.clip(2.0 * (1.0 - gain), 1.0 / 8.0, 2.0)
         steps = jnp.ceil(urgency * probe_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)
