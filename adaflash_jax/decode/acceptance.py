@@ -22,21 +22,17 @@ import jax.numpy as jnp
 from adaflash_jax.decode.tokens import logits_to_probs
 
 
-def leading_true(ok_BxN: jax.Array) -> jax.Array:
-    """Length of the leading run of True per row [B] int32."""
-    return jnp.sum(jnp.cumprod(ok_BxN.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-
-
-def _capped(ok_BxKm1, width_B):
-    positions = jnp.arange(ok_BxKm1.shape[1], dtype=jnp.int32)[None, :]
-    return ok_BxKm1 & (positions < (width_B[:, None] - 1))
+def _accepted(ok_BxKm1, width_B) -> jax.Array:
+    """Leading run of accepted drafts per row, at most width_B − 1 [B] int32."""
+    ok_BxKm1 &= jnp.arange(ok_BxKm1.shape[1], dtype=jnp.int32)[None, :] < width_B[:, None] - 1
+    return jnp.sum(jnp.cumprod(ok_BxKm1.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
 def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
     """Longest prefix of drafts equal to the target's argmax; bonus = argmax after it."""
     del key, q_BxKm1xV, temperature, top_p
     best_BxK = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)
-    accepted_B = leading_true(_capped(drafts_BxKm1 == best_BxK[:, :-1], width_B))
+    accepted_B = _accepted(drafts_BxKm1 == best_BxK[:, :-1], width_B)
     bonus_B = jnp.take_along_axis(best_BxK, accepted_B[:, None], axis=1)[:, 0]
     return accepted_B, bonus_B
 
@@ -70,7 +66,7 @@ def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temper
     key_u, key_r = jax.random.split(key)
     u_BxKm1 = jax.random.uniform(key_u, (b, k - 1))
     ok_BxKm1 = u_BxKm1 * q_draft_BxKm1 < p_draft_BxKm1  # u < p/q without dividing by q
-    accepted_B = leading_true(_capped(ok_BxKm1, width_B))
+    accepted_B = _accepted(ok_BxKm1, width_B)
     rows_B = jnp.arange(b)
     p_at_BxV = p_BxKxV[rows_B, accepted_B]
     # A rejection happened at position `accepted` unless the row accepted all its drafts;

@@ -177,28 +177,13 @@ def prepare_batch(
 
 
 def generate(
-    target: TargetLM,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int | Sequence[int],
-    temperature: float | Sequence[float] = 0.0,
-    top_p: float | Sequence[float] = 1.0,
-    seed: int = 0,
-    eos_ids: Sequence[int] | None = None,
-    capacity: int | None = None,
+    target: TargetLM, prompts: Sequence[Sequence[int]], *, seed: int = 0, **batch_kw
 ) -> list[list[int]]:
     """Generates for a batch of token-id prompts; returns each row's new tokens, ending at
-    (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
-    temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
-    arrays, static = prepare_batch(
-        target.config,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        capacity=capacity,
-    )
+    (and including) the first EOS or after its max-new-tokens. `batch_kw`: `prepare_batch`'s
+    max_new_tokens, temperature (0: greedy), top_p (those three may be per row), eos_ids
+    (default: the config's) and capacity."""
+    arrays, static = prepare_batch(target.config, prompts, **batch_kw)
     final = generate_jit(nnx.split(target), *arrays, jax.random.key(seed), **static)
     tokens_BxT, num_out_B = jax.device_get((final.tokens_BxT, final.num_out_B))
     return [tokens_BxT[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

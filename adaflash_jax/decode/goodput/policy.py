@@ -36,20 +36,18 @@ PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh re
 
 
 # ---- acceptance estimators -----------------------------------------------------------------
-def geometric_rate(mean_accepted_B: jax.Array, num_drafts: int, iters: int = 40) -> jax.Array:
-    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts)."""
-    powers_N = jnp.arange(1, num_drafts + 1, dtype=jnp.float32)
-    target_B = jnp.clip(mean_accepted_B.astype(jnp.float32), 0.0, float(num_drafts))
+def length_head_accept_probs(r_B: jax.Array, block_size: int, iters: int = 40) -> jax.Array:
+    """[B, K−1]: the constant rate a in [0, 1] with Σ_{i=1}^{K−1} a^i = r·K − 1 (the mean
+    accepted streak r implies, clipped to [0, K − 1])."""
+    n = block_size - 1
+    powers_N = jnp.arange(1, n + 1, dtype=jnp.float32)
+    target_B = jnp.clip((r_B * block_size - 1.0).astype(jnp.float32), 0.0, float(n))
 
     def too_big(a_B):  # the sum grows with a
         return jnp.sum(a_B[:, None] ** powers_N[None, :], axis=-1) > target_B
 
-    return bisect(too_big, jnp.zeros_like(target_B), jnp.ones_like(target_B), iters)
-
-
-def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
-    a_B = geometric_rate(r_B * block_size - 1.0, block_size - 1)
-    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], block_size - 1))
+    a_B = bisect(too_big, jnp.zeros_like(target_B), jnp.ones_like(target_B), iters)
+    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], n))
 
 
 def accept_probs(draft: Draft, estimator: str) -> jax.Array:
