@@ -164,7 +164,7 @@ def _widths(policy, draft):
 def test_goodput_decides_the_same_from_the_produced_table(tmp_path, models):
     """Old path: the engine-step calibration's table (draft = step(drafted, W=1) −
     step(undrafted), verify[W] = step(drafted, W) − draft) given to `GoodputPolicy` as an
-    object. New path: `VerifyCostTable.from_steps` of the same steps (the draft forward
+    object. New path: the producer's `table_from_steps` of the same steps (the draft forward
     timed on its own: the W = 1 drafted step is the plain step plus it), saved to JSON and
     read back by `build_engine`. Goodput picks the same width for every input."""
     plain = np.array([1.0, 1.2, 2.0])  # rows 1, 4, 16
@@ -178,7 +178,7 @@ def test_goodput_decides_the_same_from_the_produced_table(tmp_path, models):
         verify_ms=tuple((p, *(d - dr)) for p, d, dr in zip(plain, drafted, old_draft)),
         draft_ms=tuple(old_draft),
     )
-    new = VerifyCostTable.from_steps(
+    new = step_cost.table_from_steps(
         rows=(1, 4, 16), widths=(2, 4, 8), plain_ms=plain, draft_ms=draft, drafted_ms=drafted,
         device="synthetic", model="",
     )  # fmt: skip

@@ -5,8 +5,8 @@ Dimensions: B engine rows (slots), K block size, W verify width (a bucket), NR r
 For each row count B it builds the engine and times `programs.run_loop`, the program serving
 runs, with the spec pinned to one bucket W (every row verifies W tokens a step, as
 `aot/decode_programs.py` compiles it for the TPU estimates), the plain engine's loop (no
-drafter), and the drafter's block forward. `VerifyCostTable.from_steps` turns those into the
-table, for the timings here and for the TPU compiler estimates alike:
+drafter), and the drafter's block forward. `table_from_steps` turns those into the table
+(`decode/cost_table.py`), for the timings here and for the TPU compiler estimates alike:
 
     verify_ms[W=1] = step(plain)          draft_ms = draft forward
     verify_ms[W]   = step(drafted at W) − draft_ms      (so draft + verify[W] is that step)
@@ -46,6 +46,29 @@ KIND = "engine-loop/1"  # bump when the step program changes: cached tables go s
 def pinned_spec(engine: SpeculativeEngine, width: int):
     """The engine's loop spec verifying exactly `width` tokens a row every step."""
     return dataclasses.replace(engine.spec, buckets=(width,), policy=FixedPolicy())
+
+
+def table_from_steps(
+    *, rows, widths, plain_ms, draft_ms, drafted_ms, switch_ms=0.0, device: str, model: str
+) -> VerifyCostTable:
+    """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
+    (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`."""
+    widths = tuple(int(w) for w in widths)
+    if 1 in widths:
+        raise ValueError("the drafted widths exclude 1: verify[1] is the plain step")
+    verify = [
+        (plain, *(max(d - draft, 1e-6) for d in drafted))
+        for plain, draft, drafted in zip(plain_ms, draft_ms, drafted_ms)
+    ]
+    return VerifyCostTable(
+        rows=tuple(rows),
+        widths=(1, *widths),
+        verify_ms=tuple(verify),
+        draft_ms=tuple(draft_ms),
+        switch_ms=switch_ms,
+        device=device,
+        model=model,
+    )
 
 
 @jax.jit
@@ -136,7 +159,7 @@ def measure(
         # a lone forward call carries its dispatch: never more than a drafted step holding it
         draft_ms.append(min([fastest[-1], *per_step[1:2]]))
         switch.append(max(fastest[1] - per_step[0], 0.0))
-    return VerifyCostTable.from_steps(
+    return table_from_steps(
         rows=sorted(set(int(r) for r in rows)),
         widths=widths,
         plain_ms=plain_ms,

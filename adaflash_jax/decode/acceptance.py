@@ -55,10 +55,8 @@ def _residual_sample(key, p_BxV, q_BxV):
 def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
     """Speculative sampling: accept d_i with prob min(1, p_i(d_i)/q_i(d_i)); at the first
     rejection draw from norm(max(0, p − q)); if all w−1 drafts pass, the bonus is from p.
-
-    q must be the distribution each draft was SAMPLED from (the same temperature/top-p
-    transformation as the target's); then every committed token is distributed as plain
-    sampling from the target."""
+    With q the distribution each draft was SAMPLED from (the same temperature/top-p as the
+    target's), every committed token is distributed as plain sampling from the target."""
     b, k, _ = logits_BxKxV.shape
     p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
     p_draft_BxKm1 = jnp.take_along_axis(p_BxKxV[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0]

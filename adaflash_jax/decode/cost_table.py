@@ -4,9 +4,10 @@ JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the p
 Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
 
 Both producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
-estimates, `aot/programs.py`) decompose the steps alike (`from_steps`): `verify_ms[·][W=1]` is
-the plain step, `draft_ms` the drafter's block forward, draft + verify[W] the drafted step at
-width W. Goodput reads it inside the jitted step, so the table is static data (tuples).
+estimates, `aot/programs.py`) decompose the steps alike (`step_cost.table_from_steps`):
+`verify_ms[·][W=1]` is the plain step, `draft_ms` the drafter's block forward, draft +
+verify[W] the drafted step at width W. Goodput reads it inside the jitted step, so the
+table is static data (tuples).
 """
 
 from __future__ import annotations
@@ -53,19 +54,6 @@ class VerifyCostTable:
             raise ValueError("verify times must be positive and draft times non-negative")
         if not self.switch_ms >= 0:
             raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
-
-    @classmethod
-    def from_steps(cls, *, rows, widths, plain_ms, draft_ms, drafted_ms, **meta):
-        """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
-        (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`; `meta`:
-        switch_ms, device, model."""
-        if 1 in widths:
-            raise ValueError("the drafted widths exclude 1: verify[1] is the plain step")
-        verify = [
-            (plain, *(max(d - draft, 1e-6) for d in drafted))
-            for plain, draft, drafted in zip(plain_ms, draft_ms, drafted_ms)
-        ]
-        return cls(rows=rows, widths=(1, *widths), verify_ms=verify, draft_ms=draft_ms, **meta)
 
     # ---- lookups (jnp, traceable) --------------------------------------------------------
     def _in_rows(self, num_rows, values_NR) -> jax.Array:

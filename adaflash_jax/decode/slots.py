@@ -199,8 +199,7 @@ class SpeculativeEngine:
         q = min(q, self.capacity)
         slots_I = np.full((rows,), self.slots, np.int32)  # padding rows → dropped
         prompt_IxQ = np.zeros((rows, q), np.int32)
-        len_I = np.ones((rows,), np.int32)
-        max_new_I = np.ones((rows,), np.int32)
+        len_I, max_new_I = np.ones((2, rows), np.int32)
         for j, (slot, prompt, max_new) in enumerate(assignments):
             slots_I[j], len_I[j], max_new_I[j] = slot, len(prompt), max_new
             prompt_IxQ[j, : len(prompt)] = prompt

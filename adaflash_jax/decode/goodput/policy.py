@@ -161,10 +161,9 @@ class GoodputPolicy:
             )
 
     def init(self, slots: Slots, previous: GoodputState | None = None):
-        """Nothing without the skip arm. With it, a new state starts from what an earlier
-        call learnt (`previous`: its prior and engine-wide γ, unless it learnt nothing or
-        something non-finite); then its first probe waits for the interval instead of
-        coming at once."""
+        """Nothing without the skip arm. With it, from what an earlier call learnt (`previous`:
+        its prior and engine-wide γ, unless nothing or non-finite); then the first probe
+        waits for the interval instead of coming at once."""
         if not self.skip_draft:
             return ()
         b, km1 = slots.count, slots.block_size - 1
@@ -245,18 +244,17 @@ class GoodputPolicy:
         return jnp.max(drafted_NW), num_running / self.cost.verify_step_ms(num_running, (1,))[0]
 
     def speculate(self, state, active_B, *, buckets, switching: bool):
-        """Whether the next step drafts (bool scalar): the best expected committed tokens per
-        ms of draft + verify, from the rows' latest estimates, beats a plain width-1 step.
-        `switching`: asked from the undrafted program, where drafting first costs a host
-        switch of programs (the table's `switch_ms`); the step is charged its share over
-        `switch_horizon` drafted steps, so marginal gains do not flip programs back and
-        forth (charging one step the whole switch kept goodput from ever drafting)."""
+        """Whether the next step drafts (bool scalar): drafting's best expected tokens per ms,
+        from the rows' latest estimates, beats a plain step. From the undrafted program
+        (`switching`) each drafted step is charged its share of the host switch over
+        `switch_horizon` steps, so marginal gains do not flip programs back and forth
+        (charging one step the whole switch kept goodput from ever drafting)."""
         drafted_rate, plain_rate = self._rates(state, active_B, buckets, switching)
         return drafted_rate > plain_rate
 
     def drafting_gain(self, state, active_B, *, buckets):
-        """Best drafted rate / plain rate as seen from the undrafted program (the switch
-        included): > 1 where it would start drafting (float32 scalar; 0 with no active row)."""
+        """Best drafted / plain rate from the undrafted program (switch included): > 1 where it
+        would start drafting (float32 scalar; 0 with no active row)."""
         drafted, plain = self._rates(state, active_B, buckets, True)
         return jnp.where(plain > 0, drafted / jnp.maximum(plain, 1e-9), 0.0)
 
