@@ -20,7 +20,8 @@ from adaflash_jax.decode.generate import generate  # noqa: E402
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file  # noqa: E402
 from adaflash_jax.model.checkpoint import CheckpointError, load_target, save_target  # noqa: E402
 from adaflash_jax.model.config import ConfigError, TargetConfig  # noqa: E402
-from adaflash_jax.model.moe import MoEBlock  # noqa: E402
+from adaflash_jax.model.moe import MoEBlock, group_sizes  # noqa: E402
+from adaflash_jax.sharding.rows import RowLayout  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES  # noqa: E402
 
 V = 256
@@ -141,6 +142,13 @@ def test_router_is_not_trivial(hf_dirs, tokens):
     assert np.abs(np.asarray(weights).sum(-1) - 1).max() > 0.05  # norm_topk_prob=False
 
 
+def test_group_sizes_count_each_expert():
+    """The grouped matmuls' row counts == a bincount, experts with no rows included."""
+    experts_M = jnp.asarray(np.random.default_rng(0).choice([0, 2, 3, 6], size=37))
+    got = group_sizes(experts_M, 8)
+    np.testing.assert_array_equal(got, np.bincount(np.asarray(experts_M), minlength=8))
+
+
 def test_cached_prefill_and_read_mode_match_transformers(hf_dirs, tokens):
     """Prefill 7 tokens into the cache, then the engine's verify ("read" mode) on the rest."""
     hf_model, path = hf_dirs["mlp_only"]
@@ -199,12 +207,39 @@ def test_sharded_forward_equals_single_device(hf_dirs, tokens, shape, names, rul
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_routing_per_row_shard_equals_global(hf_dirs, tokens):
+    """With the batch's rows split over (data, fsdp), each chip routes and multiplies only
+    its own rows (every sort in the program covers a quarter of the routed rows), and the
+    output equals the single-device forward."""
+    path = hf_dirs["all_sparse"][1]
+    batch = jnp.asarray(np.concatenate([tokens] * 4))  # [4 · B, T]: 4 row shards
+    single = load_target(path)(batch, feature_layers=(1,))
+    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    model = load_target(path, mesh=mesh, rules=TRAIN_RULES)
+    rows = RowLayout.of(mesh, TRAIN_RULES, batch.shape[0])
+    fwd = jax.jit(lambda m, t, r: m(t, feature_layers=(1,), rows=r), static_argnums=2)
+    out = fwd(model, batch, rows)
+    for name in ("logits_BxTxV", "features_BxTxnD"):
+        got, want = np.asarray(getattr(out, name)), np.asarray(getattr(single, name))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+    def sorted_rows(r):
+        hlo = fwd.lower(model, batch, r).compile().as_text()
+        return {int(m.group(1)) for m in re.finditer(r"= \(?s32\[(\d+)\][^=]*sort\(", hlo)}
+
+    routed = batch.size * 2  # top-2
+    assert sorted_rows(None) == {routed}  # global routing: one sort over every row
+    assert sorted_rows(rows) == {routed // 4}
+
+
 def test_decode_step_gathers_no_expert_weights(hf_dirs):
-    """Under DECODE_RULES the compiled decode step moves activations, never an expert's
-    weights: every all-gather in the program is smaller than one expert's local F-slice."""
-    model = load_target(hf_dirs["all_sparse"][1], mesh=_mesh((2, 4), ("data", "tensor")))
-    cache = model.init_cache(2, 16)
-    step = jax.jit(lambda m, t, c: m(t, cache=c).logits_BxTxV)
+    """Under DECODE_RULES the compiled decode step (rows split over data, each shard routed on
+    its own chips) moves activations, never an expert's weights: every all-gather in the
+    program is smaller than one expert's local F-slice."""
+    mesh = _mesh((2, 4), ("data", "tensor"))
+    model = load_target(hf_dirs["all_sparse"][1], mesh=mesh)
+    cache, rows = model.init_cache(2, 16), RowLayout.of(mesh, DECODE_RULES, 2)
+    step = jax.jit(lambda m, t, c: m(t, cache=c, rows=rows).logits_BxTxV)
     hlo = step.lower(model, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
     gathered = [
         math.prod(int(d) for d in m.group(1).split(",") if d)

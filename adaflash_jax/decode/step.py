@@ -82,6 +82,7 @@ def plain_step(target, s: SpecState, spec: EngineSpec, *, requested: int):
         cache=s.target_cache,
         num_new_B=advance_B,
         feature_layers=spec.feature_layers,
+        rows=spec.rows,
     )
     logits_BxV = out.logits_BxTxV[:, 0].astype(jnp.float32)
     tok_B = pick_tokens(key, logits_BxV, s.temperature, spec.top_p(s), greedy=spec.greedy)

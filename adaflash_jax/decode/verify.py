@@ -36,6 +36,7 @@ def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
             cache=target_cache,
             cache_mode="read",
             feature_layers=spec.feature_layers,
+            rows=spec.rows,
         )
         ctx_kv = drafter.context_entries(s.context_cache, out.features_BxTxnD)
         q_BxWm1xV = None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1]

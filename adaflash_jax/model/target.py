@@ -109,10 +109,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, mask, cache_kv=None, lengths_B=None):
+    def __call__(self, x, positions, mask, cache_kv=None, lengths_B=None, rows=None):
         attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, lengths_B)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, rows) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
         return x, kv
 
 
@@ -207,7 +208,8 @@ class TargetLM(nnx.Module):
         "write" mode returns the cache with `lengths + num_new_B` (default T): padding past
         `num_new_B[b]` is written but left uncommitted. "read" mode leaves the cache alone
         and returns the new entries (`new_kv`). `rows` keeps the activations' rows split over
-        those mesh axes (FSDP: weights are gathered, activations never are).
+        those mesh axes (FSDP: weights are gathered, activations never are); a MoE layer
+        routes each row shard's tokens on its own chip.
         """
         b, t = tokens_BxT.shape
         feature_layers = tuple(feature_layers)
@@ -234,16 +236,11 @@ class TargetLM(nnx.Module):
             if segment_ids_BxT is not None:
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
-        if self.config.num_experts:
-            # `moe.py` routes the whole batch's tokens in one sort by expert: with the rows
-            # split, every chip would gather and compute all of them (the compiled 30B-A3B
-            # stage-2 step counted 502 vs 85 TFLOP per chip). Per-shard routing is to come.
-            rows = None
         x = constrain_rows(rows, self.embed(tokens_BxT), b)
         features, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x, kv = layer(x, positions_BxT, mask_BxTxS, layer_kv, lengths_B)
+            x, kv = layer(x, positions_BxT, mask_BxTxS, layer_kv, lengths_B, rows)
             x = constrain_rows(rows, x, b)
             if kv is not None:
                 ks.append(kv[0])

@@ -43,9 +43,12 @@ class RowLayout:
         return None if axes is None else cls(mesh, axes)
 
     @property
+    def names(self) -> tuple[str, ...]:
+        return (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+
+    @property
     def size(self) -> int:
-        names = (self.axes,) if isinstance(self.axes, str) else self.axes
-        return int(np.prod([self.mesh.shape[n] for n in names]))
+        return int(np.prod([self.mesh.shape[n] for n in self.names]))
 
     def sharding(self, ndim: int, split: bool = True) -> NamedSharding:
         """An array of rank `ndim` split over the rows (`split`) or replicated."""
