@@ -195,11 +195,12 @@ class SpeculativeEngine:
     def prefill(self, state, assignments):
         """assignments: list of (slot, prompt, max_new) started in one padded call."""
         rows = _pow2_at_least(len(assignments), self.slots)
-        q = max(_pow2_at_least(max(len(a[1]) for a in assignments), self.capacity), 16)
-        q = min(q, self.capacity)
+        q = _pow2_at_least(max(len(a[1]) for a in assignments), self.capacity)
+        q = max(q, min(16, self.capacity))
         slots_I = np.full((rows,), self.slots, np.int32)  # padding rows → dropped
         prompt_IxQ = np.zeros((rows, q), np.int32)
-        len_I, max_new_I = np.ones((2, rows), np.int32)
+        len_I = np.ones((rows,), np.int32)
+        max_new_I = np.ones((rows,), np.int32)
         for j, (slot, prompt, max_new) in enumerate(assignments):
             slots_I[j], len_I[j], max_new_I[j] = slot, len(prompt), max_new
             prompt_IxQ[j, : len(prompt)] = prompt

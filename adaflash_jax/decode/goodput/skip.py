@@ -3,25 +3,21 @@
 Dimensions: B slots, K block size, U deferred context positions, nD concatenated target
 features, S output buffer length.
 
-- `drafted_loop` runs the engine's drafted steps while the policy says drafting pays
-  (`GoodputPolicy.speculate`), after bringing the drafter context up to date and grading
-  the latest probe.
-- `undrafted_loop` runs plain steps (recorded as requested width 0) that keep the drafter
-  context's inputs, with a probe (one drafter forward, no verify) every `probe_interval`
-  steps to refresh the rows' estimates. It asks the policy only between runs of steps (after
-  a probe, a flush or a finished row): nothing the decision reads changes within a run, and
-  asking in every step's loop check costs the undrafted step.
-Each program exits when the policy wants the other and the host switches, so no step pays
-for a conditional around the drafter (nor for the cache copies XLA makes around
-conditionally updated buffers).
+`drafted_loop` runs drafted steps while the policy says drafting pays (after bringing the
+drafter context up to date and grading the latest probe). `undrafted_loop` runs plain steps
+(requested width 0) with a probe (one drafter forward, no verify) every `probe_interval`
+steps to refresh the rows' estimates; it asks the policy only between runs of steps (after
+a probe, a flush or a finished row): nothing the decision reads changes within a run, and
+asking in every step's loop check costs the undrafted step. Each program exits when the
+policy wants the other and the host switches, so no step pays for a conditional around the
+drafter (nor for the cache copies XLA makes around conditionally updated buffers).
 
 Undrafted steps defer the drafter context: each parks its token's target features in a
 buffer of U positions per row (`context_cache.lengths + pending_B == target_cache.lengths`),
 projected into the context in one batched pass (`flush`) when the drafted program starts,
 before a probe, and when it fills (one pass per U steps amortises its fixed costs). A probe
 is graded after the fact: its greedy drafts against the tokens the next undrafted steps
-commit, in greedy decoding exactly what verifying it would have accepted; the outcome
-calibrates the row's estimates (`calibration.py`).
+commit (in greedy decoding, exactly what verifying it would have accepted).
 """
 
 from __future__ import annotations
