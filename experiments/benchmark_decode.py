@@ -13,7 +13,7 @@ untrained drafter, so τ ≈ 1 and speculative is slower — honest, not a goal)
 Shape mode (GPU): random bf16 weights of a named shape; the plain decode step at B=1 against
 the weight-read floor (goal <= 1.5x), the verify table per batch and width (docs/design.md §7) and,
 with --draft-layers, the drafter block forward per batch; --cost-table (with --draft-layers)
-then times the engine's own loop programs (`decode.step_cost`) into the cost table that the
+then times the engine's own loop programs (`bench.step_cost`) into the cost table that the
 goodput policy and experiments.project_throughput read.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.cli import one_line_errors
-from adaflash_jax.decode.generate import generate_jit, prepare_batch, split_target
+from adaflash_jax.decode.generate import generate_jit, prepare_batch
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -60,17 +60,17 @@ def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int, repeats: int):
-    target = split_target(model)
+    target = nnx.split(model)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
 
     def median_seconds(n: int) -> float:
         # No EOS ids: every row runs exactly n tokens. Same capacity for both lengths.
-        prepared = prepare_batch(
+        arrays, static = prepare_batch(
             model.config, prompts, max_new_tokens=n, eos_ids=(), capacity=prompt_len + new_tokens
         )
         key = jax.random.key(0)
-        run = lambda: generate_jit(target, *prepared.arrays, key, **prepared.static)  # noqa: E731
+        run = lambda: generate_jit(target, *arrays, key, **static)  # noqa: E731
         return statistics.median(time_callable(run, repeats))
 
     t_full, t_one = median_seconds(new_tokens), median_seconds(1)
@@ -158,7 +158,7 @@ def _ints(text: str) -> list[int]:
 
 
 def slots_mode(args) -> None:
-    from adaflash_jax.decode import bench
+    from adaflash_jax.bench import decode_timing as bench
 
     dtype = getattr(jnp, args.dtype)
     if args.target:
@@ -261,9 +261,9 @@ def shape_mode(args) -> None:
 
 
 def write_cost_table(args, cfg, target_pair, drafter_pair) -> None:
-    """The engine's cost table (`decode.step_cost.measure`: its loop program per verify
+    """The engine's cost table (`bench.step_cost.measure`: its loop program per verify
     width, the plain loop and the draft forward) at --batches, a cache of --context."""
-    from adaflash_jax.decode.step_cost import measure
+    from adaflash_jax.bench.step_cost import measure
 
     table = measure(
         nnx.merge(*target_pair),

@@ -17,6 +17,7 @@ import os
 
 import jax.numpy as jnp
 
+from adaflash_jax.bench.step_cost import engine_table
 from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.build import POLICY_NAMES, build_engine
 from adaflash_jax.decode.generate import GenerateError, generate
@@ -114,19 +115,21 @@ def speculative(args, model, prompts, eos):
         raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
     k = args.block_size or drafter.config.block_size
     need = max(len(p) for p in prompts) + args.max_new_tokens + k
-    engine = build_engine(
-        model,
-        drafter,
+    settings = dict(
         slots=args.slots or len(prompts),
         capacity=min(16 * math.ceil(need / 16), model.config.max_position_embeddings),
         block_size=args.block_size,
-        policy=args.policy,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
         eos_ids=eos,
-        cost_table=args.cost_table,
-        policy_kwargs=goodput_options(args) if args.policy == "goodput" else None,
+    )
+    options = goodput_options(args) if args.policy == "goodput" else None
+    cost = args.cost_table
+    if args.policy == "goodput" and cost is None:  # measured on this engine (cached)
+        cost = engine_table(model, drafter, policy_kwargs=options, **settings)
+    engine = build_engine(
+        model, drafter, policy=args.policy, policy_kwargs=options, cost_table=cost, **settings
     )
     results = engine.generate([(p, args.max_new_tokens) for p in prompts])
     stats = [

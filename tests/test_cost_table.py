@@ -1,4 +1,4 @@
-"""The one cost table: its JSON format and reader, the producer (`decode.step_cost`) timing the
+"""The one cost table: its JSON format and reader, the producer (`bench.step_cost`) timing the
 engine's own loop programs, and its readers: goodput, the benchmark's cost model, the
 projection."""
 
@@ -14,11 +14,12 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.bench import cost_model as cm
-from adaflash_jax.decode import step_cost
+from adaflash_jax.bench import step_cost
 from adaflash_jax.decode.build import build_engine
 from adaflash_jax.decode.cost_table import FORMAT, VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
-from adaflash_jax.decode.policy import Draft, Slots
+from adaflash_jax.decode.policy import Draft, PolicyError, Slots
+from adaflash_jax.decode.slots import EngineError
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.target import TargetLM
@@ -84,7 +85,7 @@ def test_producer_decomposes_the_engine_steps(monkeypatch, models):
     assert table.rows == (2,) and table.widths == (1, 2, 4) and table.draft_ms == (2.0,)
     np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
     np.testing.assert_allclose(np.asarray(table.step_ms(2, (2, 4))), (5.5, 7.0))
-    assert table.switch_ms == pytest.approx(4.5) and table.probe_ms is None
+    assert table.switch_ms == pytest.approx(4.5)
     assert set(calls) == {1, 7}  # (capacity 64 − 2) // (2·K) steps fit the cache
 
 
@@ -116,7 +117,7 @@ def test_producer_times_the_engine_and_the_projection_reads_it(tmp_path, models,
     assert got[("d/fixed", 1)]["tokens_per_s"] == pytest.approx(1e3 * 2.75 / drafted_ms)
 
 
-def test_build_engine_measures_once_and_caches(tmp_path, monkeypatch, models):
+def test_engine_table_measures_once_and_caches(tmp_path, monkeypatch, models):
     target, drafter = models
     seen = []
 
@@ -125,16 +126,22 @@ def test_build_engine_measures_once_and_caches(tmp_path, monkeypatch, models):
         return dataclasses_replace_rows(TABLE.at_rows(4), rows[0], buckets)
 
     monkeypatch.setattr(step_cost, "measure", fake_measure)
-    kw = dict(slots=2, capacity=32, buckets=(1, 2, 4), policy="goodput", cache_dir=str(tmp_path))
-    engine = build_engine(target, drafter, **kw)
+    kw = dict(slots=2, capacity=32, buckets=(1, 2, 4))
+    measured = functools.partial(step_cost.engine_table, target, drafter, cache_dir=str(tmp_path))
+    engine = build_engine(target, drafter, policy="goodput", cost_table=measured(**kw), **kw)
     assert seen == [((2,), 32, (1, 2, 4), 0.0)] and engine.policy.cost.rows == (2,)
     assert len(list(tmp_path.iterdir())) == 1
-    again = build_engine(target, drafter, **kw)  # the cached table: measured once
-    assert len(seen) == 1 and again.policy == engine.policy
-    build_engine(target, drafter, **kw, temperature=1.0)  # another sampling mode: measured
+    assert measured(**kw) == engine.policy.cost and len(seen) == 1  # cached: measured once
+    measured(**kw, temperature=1.0)  # another sampling mode: measured
     assert len(seen) == 2
-    given = build_engine(target, drafter, **kw, cost_table=TABLE)  # a given table, as it is
+    # goodput's options are checked before any measurement
+    with pytest.raises(EngineError, match="length head|accept_probs"):
+        measured(**kw, temperature=0.5, policy_kwargs={"estimator": "head"})
+    assert len(seen) == 2
+    given = build_engine(target, drafter, policy="goodput", cost_table=TABLE, **kw)
     assert len(seen) == 2 and given.policy.cost == TABLE
+    with pytest.raises(PolicyError, match="verify-cost table"):
+        build_engine(target, drafter, policy="goodput", **kw)
 
 
 def dataclasses_replace_rows(table, rows, widths):

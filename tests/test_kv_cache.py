@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch, split_target
+from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch
 from adaflash_jax.decode.tokens import pick_tokens
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -178,10 +178,10 @@ def test_sampled_while_loop_equals_python_loop(model):
     greedy = no_eos[0]
     eos = (greedy[4],)  # row 0 (greedy) must stop at its 5th token or earlier
     expected, ref_cache = _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, 7)
-    batch = prepare_batch(
+    arrays, static = prepare_batch(
         CFG, prompts, max_new_tokens=max_new, temperature=temps, top_p=top_ps, eos_ids=eos
     )
-    final = generate_jit(split_target(model), *batch.arrays, jax.random.key(7), **batch.static)
+    final = generate_jit(nnx.split(model), *arrays, jax.random.key(7), **static)
     got = [final.tokens_BxT[i, : final.num_out_B[i]].tolist() for i in range(3)]
     assert got == expected
     assert got[0] == greedy[: greedy.index(eos[0]) + 1]

@@ -188,7 +188,7 @@ def _interval(policy, rows, gain=0.5):
 
 
 def test_probe_interval_bounds_the_probe_overhead():
-    """Base interval: ceil(probe (else draft forward) / (5% · plain step)), scaled by
+    """Base interval: ceil(draft forward / (5% · plain step)), scaled by
     2·(1 − drafting gain) within [1/8, 2], then within [1, max_probe_every]; an explicit
     probe_every wins."""
     policy = GoodputPolicy(cost=TABLE)  # gain 0.5: the base interval
@@ -203,12 +203,6 @@ def test_probe_interval_bounds_the_probe_overhead():
     assert _interval(tight, 16) == 64
     loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
     assert _interval(loose, 1) == 2
-    # a measured probe cost (the engine-step calibration's) replaces the draft time
-    measured = GoodputPolicy(cost=dataclasses.replace(TABLE, probe_ms=0.9))  # 0.9 / 0.05 = 18
-    assert _interval(measured, 1) == 18
-    assert VerifyCostTable.from_json(measured.cost.to_json()) == measured.cost
-    with pytest.raises(ValueError, match="probe_ms"):
-        dataclasses.replace(TABLE, probe_ms=-1.0)
     # the interval the skip arm asks for: at the rows' drafting gain, or probe_every
     state = policy.init(_slots(2)).replace(est_BxKm1=jnp.full((2, K - 1), 0.5))
     active = jnp.ones((2,), bool)

@@ -17,7 +17,7 @@ from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
-from adaflash_jax.decode.state import bucket_set, policy_slots
+from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.decode.step import admit
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
@@ -303,18 +303,18 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
 @pytest.mark.parametrize("draft_ms,drafts", [(100.0, False), (0.01, True)])
 def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, draft_ms, drafts):
     """A second `generate` starts from the prior and γ the first learnt: it needs no opening
-    probe, and drafts (or not) from its first step; `forget` brings the probe back.
+    probe, and drafts (or not) from its first step; forgetting it brings the probe back.
     The outputs stay plain greedy's throughout."""
     drafter = TableDrafter(_drafter_cfg(4), bigram)  # one-hot drafts: confidence 1
     policy = GoodputPolicy(cost=_skip_table(draft_ms), probe_every=1000)
     engine = _engine(target, drafter, policy=policy)
     assert engine.learnt is None
-    slots = policy_slots(target, drafter, 2)
+    slots = engine.policy_slots
     unlearnt = engine.init_state(0).policy_state  # no drafter forward: nothing learnt
     assert int(policy.init(slots, unlearnt).probe_due_at) == 0  # the first loop probes
     for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):
         if call == "reset":
-            engine.forget()
+            engine.learnt = None  # forget what the first call learnt
         results = engine.generate(_requests())
         assert [r.output_ids for r in results] == reference["plain"], call
         assert engine.last_run["probes"] == expect_probes, call

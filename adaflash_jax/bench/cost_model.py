@@ -2,7 +2,7 @@
 from whatever measurements exist, every filled cell explained.
 
 Inputs (several may be merged; a later file's cell replaces an earlier one): cost tables
-(`decode/cost_table.py`, from `decode.step_cost` or a TPU compile), and, read as they are,
+(`decode/cost_table.py`, from `bench.step_cost` or a TPU compile), and, read as they are,
 the bare-forward timing rows of `experiments.benchmark_forward` / `benchmark_decode --shape`
 ({"rows": [{batch, width, median_ms}], optional "draft_rows": [{batch, median_ms}]}: the
 committed H200 measurements in benchmarks/h200/).

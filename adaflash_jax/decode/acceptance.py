@@ -2,22 +2,16 @@
 
 Dimensions: B rows, K block size (verify positions: the bonus token + K−1 drafts), V vocab.
 
-Verify position i (0-based) holds the target logits after [bonus, d_1..d_i], i.e. the
-target's prediction for the token that draft d_{i+1} proposes. A row with requested width
-w_b accepts at most w_b − 1 drafts; its new bonus token comes from position n_acc.
-
-Every acceptance function has the same signature, so the engine can be parametrised with a
-deliberately biased one in tests (`tests/doubles.py`):
+Verify position i (0-based) holds the target logits after [bonus, d_1..d_i]: its prediction
+for the token draft d_{i+1} proposes. A row of requested width w_b accepts at most w_b − 1
+drafts; its new bonus comes from position n_acc. Every acceptance function has one
+signature, so tests can give the engine a deliberately biased one (`tests/doubles.py`):
 
     fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
         -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
 
-The engine calls it inside each verify-width branch with K = that width W (drafts and q cut
-to W − 1 positions, rows' width_B <= W); W = 1 (no drafts) must work: the bonus then comes
-straight from p at position 0.
-
-(temperature: scalar > 0; top_p: scalar, or None for "no nucleus filter", see
-`tokens.sampling_probs`.)
+Called in each verify branch with K = its width W; W = 1 (no drafts: the bonus from p at
+position 0) must work. top_p None: no nucleus filter (`tokens.logits_to_probs`).
 """
 
 from __future__ import annotations
@@ -25,24 +19,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.decode.tokens import sampling_probs
+from adaflash_jax.decode.tokens import logits_to_probs
 
 
-def leading_true(ok_BxN: jax.Array) -> jax.Array:
-    """Length of the leading run of True per row [B] int32."""
-    return jnp.sum(jnp.cumprod(ok_BxN.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-
-
-def _capped(ok_BxKm1, width_B):
-    positions = jnp.arange(ok_BxKm1.shape[1], dtype=jnp.int32)[None, :]
-    return ok_BxKm1 & (positions < (width_B[:, None] - 1))
+def _accepted(ok_BxKm1, width_B) -> jax.Array:
+    """Leading run of accepted drafts per row, at most width_B − 1 [B] int32."""
+    ok_BxKm1 &= jnp.arange(ok_BxKm1.shape[1], dtype=jnp.int32)[None, :] < width_B[:, None] - 1
+    return jnp.sum(jnp.cumprod(ok_BxKm1.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
 def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
     """Longest prefix of drafts equal to the target's argmax; bonus = argmax after it."""
     del key, q_BxKm1xV, temperature, top_p
     best_BxK = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)
-    accepted_B = leading_true(_capped(drafts_BxKm1 == best_BxK[:, :-1], width_B))
+    accepted_B = _accepted(drafts_BxKm1 == best_BxK[:, :-1], width_B)
     bonus_B = jnp.take_along_axis(best_BxK, accepted_B[:, None], axis=1)[:, 0]
     return accepted_B, bonus_B
 
@@ -50,7 +40,7 @@ def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperatu
 def target_probs(logits_BxKxV, temperature, top_p):
     """The target's sampling distribution at every verify position [B, K, V]."""
     b, k, v = logits_BxKxV.shape
-    return sampling_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
+    return logits_to_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
 
 
 def _residual_sample(key, p_BxV, q_BxV):
@@ -65,10 +55,8 @@ def _residual_sample(key, p_BxV, q_BxV):
 def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
     """Speculative sampling: accept d_i with prob min(1, p_i(d_i)/q_i(d_i)); at the first
     rejection draw from norm(max(0, p − q)); if all w−1 drafts pass, the bonus is from p.
-
-    q must be the distribution each draft was SAMPLED from (the same temperature/top-p
-    transformation as the target's); then every committed token is distributed as plain
-    sampling from the target."""
+    With q the distribution each draft was SAMPLED from (the same temperature/top-p as the
+    target's), every committed token is distributed as plain sampling from the target."""
     b, k, _ = logits_BxKxV.shape
     p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
     p_draft_BxKm1 = jnp.take_along_axis(p_BxKxV[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0]
@@ -76,7 +64,7 @@ def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temper
     key_u, key_r = jax.random.split(key)
     u_BxKm1 = jax.random.uniform(key_u, (b, k - 1))
     ok_BxKm1 = u_BxKm1 * q_draft_BxKm1 < p_draft_BxKm1  # u < p/q without dividing by q
-    accepted_B = leading_true(_capped(ok_BxKm1, width_B))
+    accepted_B = _accepted(ok_BxKm1, width_B)
     rows_B = jnp.arange(b)
     p_at_BxV = p_BxKxV[rows_B, accepted_B]
     # A rejection happened at position `accepted` unless the row accepted all its drafts;

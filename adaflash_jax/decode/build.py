@@ -1,10 +1,10 @@
 """Engines and policies by name: the one place that knows every policy.
 
-    engine = build_engine(target, drafter, slots=4, capacity=512, policy="goodput")
+    engine = build_engine(target, drafter, slots=4, capacity=512, policy="goodput",
+                          cost_table="cost.json")
 
-Goodput needs a cost table. Without one, this measures it on the engine's own jitted loop
-programs (`step_cost`, cached per device and settings), then builds the serving engine around
-the measured table.
+Goodput reads a cost table, given as a `VerifyCostTable` or a JSON path
+(`bench.step_cost.engine_table` measures one on the engine's own loop programs).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import os
 from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, LengthPolicy, PolicyError
-from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
-from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.step_cost import load_or_measure, unit_table
+from adaflash_jax.decode.slots import SpeculativeEngine
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")
 
@@ -41,29 +39,14 @@ def build_engine(
     policy: str | LengthPolicy = "fixed",
     policy_kwargs: dict | None = None,
     cost_table: VerifyCostTable | str | os.PathLike | None = None,
-    cache_dir: str | None = None,
     **engine_kwargs,
 ) -> SpeculativeEngine:
-    """A `SpeculativeEngine` whose policy is an object or a name (with `policy_kwargs`);
-    goodput reads `cost_table` (a table or a JSON path), else its measured one."""
-    if drafter is None:  # plain decoding: no policy
+    """A `SpeculativeEngine` whose policy is an object or a name (with `policy_kwargs` and,
+    for goodput, `cost_table`); `drafter=None` decodes plainly."""
+    if drafter is None:
         return SpeculativeEngine(target, None, **engine_kwargs)
-    if not isinstance(policy, str):
-        return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)
-    kwargs = dict(policy_kwargs or {})
-    if isinstance(cost_table, str | os.PathLike):
-        cost_table = VerifyCostTable.load(cost_table)
-    if policy != "goodput" or cost_table is not None:
-        policy = make_policy(policy, cost=cost_table, **kwargs)
-        return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)
-    k = engine_kwargs.get("block_size") or drafter.config.block_size
-    widths = bucket_set(engine_kwargs.get("buckets", DEFAULT_BUCKETS), k)
-    placeholder = GoodputPolicy(cost=unit_table(engine_kwargs["slots"], widths), **kwargs)
-    # validates the options, buckets and head outputs before the measurement's compute
-    e = SpeculativeEngine(target, drafter, **engine_kwargs, policy=placeholder)
-    table = load_or_measure(
-        e.target, e.drafter, rows=(e.slots,), capacity=e.capacity, buckets=e.buckets,
-        temperature=e.temperature, top_p=e.top_p, cache_dir=cache_dir,
-    )  # fmt: skip
-    policy = GoodputPolicy(cost=table, **kwargs)
+    if isinstance(policy, str):
+        if isinstance(cost_table, str | os.PathLike):
+            cost_table = VerifyCostTable.load(cost_table)
+        policy = make_policy(policy, cost=cost_table, **(policy_kwargs or {}))
     return SpeculativeEngine(target, drafter, **engine_kwargs, policy=policy)

@@ -3,17 +3,17 @@ JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the p
 
 Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
 
-Meaning (the engine's own loop program, `step_cost.py`; TPU compiler estimates of the same
-programs, `aot/programs.py`): `verify_ms[·][W=1]` is the plain (undrafted) step, `draft_ms` the
-drafter's block forward, and draft + verify[W] the drafted step verifying W tokens a row.
-
-The goodput policy divides expected committed tokens by this cost, inside the jitted step, so
-the table is static data (tuples, hashable).
+Both producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
+estimates, `aot/programs.py`) decompose the steps alike (`step_cost.table_from_steps`):
+`verify_ms[·][W=1]` is the plain step, `draft_ms` the drafter's block forward, draft +
+verify[W] the drafted step at width W. Goodput reads it inside the jitted step, so the
+table is static data (tuples).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -33,31 +33,20 @@ class VerifyCostTable:
     # one device call's own overhead (dispatch, loop entry, host fetch): what a host switch
     # between loop programs costs (0 where unknown)
     switch_ms: float = 0.0
-    # one probe of goodput's undrafted program (the drafter forward, context flush and loop
-    # exit); None: the draft time
-    probe_ms: float | None = None
     device: str = "unknown"
     model: str = ""  # free-form description of the shapes measured
 
     def __post_init__(self):
-        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
-        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
-        object.__setattr__(
-            self, "verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms)
-        )
-        object.__setattr__(self, "draft_ms", tuple(float(x) for x in self.draft_ms))
-        object.__setattr__(self, "switch_ms", float(self.switch_ms))
-        if self.probe_ms is not None:
-            object.__setattr__(self, "probe_ms", float(self.probe_ms))
-            if not self.probe_ms >= 0:
-                raise ValueError(f"probe_ms must be non-negative: {self.probe_ms}")
-        if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
-            raise ValueError(f"cost table rows must be ascending positive ints: {self.rows}")
-        if not self.widths or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
-            raise ValueError(f"cost table widths must be ascending positive ints: {self.widths}")
-        if len(self.verify_ms) != len(self.rows) or any(
-            len(r) != len(self.widths) for r in self.verify_ms
-        ):
+        fix = functools.partial(object.__setattr__, self)  # frozen: normalise in place
+        fix("rows", tuple(int(r) for r in self.rows))
+        fix("widths", tuple(int(w) for w in self.widths))
+        fix("verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms))
+        fix("draft_ms", tuple(float(x) for x in self.draft_ms))
+        fix("switch_ms", float(self.switch_ms))
+        for name, xs in (("rows", self.rows), ("widths", self.widths)):
+            if not xs or list(xs) != sorted(set(xs)) or xs[0] < 1:
+                raise ValueError(f"cost table {name} must be ascending positive ints: {xs}")
+        if [len(r) for r in self.verify_ms] != [len(self.widths)] * len(self.rows):
             raise ValueError("verify_ms must have one row per row count and one entry per width")
         if len(self.draft_ms) != len(self.rows):
             raise ValueError("draft_ms must have one entry per row count")
@@ -66,27 +55,21 @@ class VerifyCostTable:
         if not self.switch_ms >= 0:
             raise ValueError(f"switch_ms must be non-negative: {self.switch_ms}")
 
-    # ---- lookups ------------------------------------------------------------------------
+    # ---- lookups (jnp, traceable) --------------------------------------------------------
+    def _in_rows(self, num_rows, values_NR) -> jax.Array:
+        """At `num_rows` active rows: linear between measured row counts, clamped outside."""
+        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
+        return jnp.interp(n, jnp.asarray(self.rows, jnp.float32), values_NR)
+
     def verify_step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
-        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW] (jnp,
-        traceable): linear in the row count between measured rows, clamped outside."""
+        """Verify-only ms at each width in `widths` for `num_rows` active rows [NW]."""
         cols = [self.widths.index(w) for w in widths]
         verify_NRxNW = jnp.asarray(self.verify_ms, jnp.float32)[:, jnp.asarray(cols)]
-        rows_NR = jnp.asarray(self.rows, jnp.float32)
-        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
-        return jax.vmap(lambda col: jnp.interp(n, rows_NR, col), in_axes=1)(verify_NRxNW)
+        return jax.vmap(lambda col_NR: self._in_rows(num_rows, col_NR), in_axes=1)(verify_NRxNW)
 
     def draft_step_ms(self, num_rows) -> jax.Array:
-        """The drafter's block forward for `num_rows` active rows (jnp scalar, traceable)."""
-        n = jnp.maximum(jnp.asarray(num_rows, jnp.float32), 1.0)
-        rows_NR = jnp.asarray(self.rows, jnp.float32)
-        return jnp.interp(n, rows_NR, jnp.asarray(self.draft_ms, jnp.float32))
-
-    def probe_step_ms(self, num_rows) -> jax.Array:
-        """One probe's cost (jnp scalar): measured, else the drafter's block forward."""
-        if self.probe_ms is not None:
-            return jnp.asarray(self.probe_ms, jnp.float32)
-        return self.draft_step_ms(num_rows)
+        """The drafter's block forward for `num_rows` active rows (scalar)."""
+        return self._in_rows(num_rows, jnp.asarray(self.draft_ms, jnp.float32))
 
     def step_ms(self, num_rows, widths: tuple[int, ...]) -> jax.Array:
         """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""

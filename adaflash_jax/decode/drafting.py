@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decode.policy import Draft
-from adaflash_jax.decode.tokens import sampling_probs
+from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.model import DraftOutput
@@ -30,16 +30,16 @@ class EngineDrafter(Protocol):
         """An empty drafter context: per drafter layer [B, S, Kv, Dh]."""
 
     def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
-        """Per-layer context keys/values [B, T, Kv, Dh] of T committed tokens' target
-        features, at `cache.positions(T)`, not written (the engine writes them)."""
+        """Per-layer context keys/values [B, T, Kv, Dh] of T committed tokens' features at
+        `cache.positions(T)`, not written (the engine writes them)."""
 
     def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
         """One block forward after each row's bonus token (at `cache.lengths`)."""
 
 
 def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
-    """One drafter forward after each row's bonus token, as the policy sees it: block states
-    and draft logits (plus the head outputs the policy reads), never sampled drafts."""
+    """One drafter forward after each row's bonus token, as the policy sees it: block states,
+    draft logits and the head outputs the policy reads, never sampled drafts."""
     d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
     hidden_BxKxD = jax.lax.stop_gradient(d.hidden_BxKxD)
     logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
@@ -65,7 +65,7 @@ def sample_drafts(key, logits_BxKm1xV, s, spec):
     if spec.greedy:
         return jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32), None
     b, km1, v = logits_BxKm1xV.shape
-    q = sampling_probs(logits_BxKm1xV.reshape(b * km1, v), s.temperature, spec.top_p(s))
+    q = logits_to_probs(logits_BxKm1xV.reshape(b * km1, v), s.temperature, spec.top_p(s))
     q_BxKm1xV = q.reshape(b, km1, v)
     drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
     return drafts_BxKm1, q_BxKm1xV

@@ -4,20 +4,16 @@ Dimensions: B rows, Q padded prompt length, T max new tokens (static), S cache c
 V vocab.
 
 Prompts are right-padded and prefilled in ONE target call (`num_new_B` = each row's prompt
-length, so padding is written but never committed); then one token per step per row.
-Rows stop independently on any EOS id (the EOS is kept) or their own max-new-tokens; a
-finished row keeps riding the batch with `num_new = 0`, so its cache never advances. Tokens
-are picked and committed by the same functions as the speculative engine's (`tokens.py`).
-The target travels as one (graphdef, state) pair (`split_target`; the graphdef is static
-pytree data): the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy).
-
-RNG schedule (the Python-loop reference in the tests follows it): `rng, key = split(rng)`
-before the prefill sample and before every step's sample.
+length: padding is written but never committed); then one token per step per row. Rows stop
+independently on any EOS id (kept) or their own max-new-tokens; a finished row rides along
+with `num_new = 0`, so its cache never advances. Tokens are picked and committed as in the
+speculative engine (`tokens.py`). The target travels as an `nnx.split` (graphdef, state)
+pair: the program compiles once per (graphdef, B, Q, T, S, eos ids, greedy). RNG schedule
+(the tests' Python-loop reference follows it): `rng, key = split(rng)` before every sample.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -46,11 +42,6 @@ class DecodeState:
     num_out_B: jax.Array  # int32 tokens generated so far
     done_B: jax.Array  # bool: hit EOS or its max-new-tokens
     rng: jax.Array
-
-
-def split_target(model: TargetLM) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state): the form jitted decoders take a model in."""
-    return nnx.split(model)
 
 
 def _commit(s: DecodeState, tok_B, active_B, max_new_B, eos_E) -> DecodeState:
@@ -130,14 +121,6 @@ def _per_row(value, b: int, name: str) -> list:
     return values
 
 
-@dataclasses.dataclass(frozen=True)
-class PreparedBatch:
-    """Validated device inputs for `generate_jit` and its static knobs."""
-
-    arrays: tuple[jax.Array, ...]  # prompt_BxQ, prompt_len_B, max_new_B, temperature_B, top_p_B
-    static: dict  # max_new_tokens, capacity, eos_ids, greedy
-
-
 def prepare_batch(
     cfg: TargetConfig,
     prompts: Sequence[Sequence[int]],
@@ -147,8 +130,10 @@ def prepare_batch(
     top_p: float | Sequence[float] = 1.0,
     eos_ids: Sequence[int] | None = None,
     capacity: int | None = None,
-) -> PreparedBatch:
-    """Checks every request against the model BEFORE any compute, then pads the batch."""
+) -> tuple[tuple[jax.Array, ...], dict]:
+    """Checks every request against the model BEFORE any compute, then pads the batch.
+    Returns `generate_jit`'s arrays (prompt_BxQ, prompt_len_B, max_new_B, temperature_B,
+    top_p_B) and static keywords."""
     b = len(prompts)
     if b == 0:
         raise GenerateError("no prompts given")
@@ -184,50 +169,21 @@ def prepare_batch(
     for i, prompt in enumerate(prompts):
         prompt_BxQ[i, : len(prompt)] = np.asarray(prompt, np.int32)
     eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
-    arrays = (
-        jnp.asarray(prompt_BxQ),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(max_new, jnp.int32),
-        jnp.asarray(temps, jnp.float32),
-        jnp.asarray(top_ps, jnp.float32),
-    )
-    static = dict(
-        max_new_tokens=n,
-        capacity=capacity,
-        eos_ids=eos,
-        greedy=all(t == 0 for t in temps),
-        nucleus=any(p < 1.0 for p in top_ps),
-    )
-    return PreparedBatch(arrays=arrays, static=static)
+    arrays = tuple(jnp.asarray(x, jnp.int32) for x in (prompt_BxQ, lengths, max_new))
+    arrays += (jnp.asarray(temps, jnp.float32), jnp.asarray(top_ps, jnp.float32))
+    greedy, nucleus = all(t == 0 for t in temps), any(p < 1.0 for p in top_ps)
+    static = dict(max_new_tokens=n, capacity=capacity, eos_ids=eos, greedy=greedy, nucleus=nucleus)
+    return arrays, static
 
 
 def generate(
-    target: TargetLM | tuple[nnx.GraphDef, nnx.State],
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int | Sequence[int],
-    temperature: float | Sequence[float] = 0.0,
-    top_p: float | Sequence[float] = 1.0,
-    seed: int = 0,
-    eos_ids: Sequence[int] | None = None,
-    capacity: int | None = None,
+    target: TargetLM, prompts: Sequence[Sequence[int]], *, seed: int = 0, **batch_kw
 ) -> list[list[int]]:
     """Generates for a batch of token-id prompts; returns each row's new tokens, ending at
-    (and including) the first EOS or after its max-new-tokens. Temperature 0 is greedy;
-    temperature / top_p / max_new_tokens may be per row. EOS ids default to the config's."""
-    if isinstance(target, TargetLM):
-        cfg, target = target.config, split_target(target)
-    else:
-        cfg = nnx.merge(*target).config  # no arrays are copied
-    batch = prepare_batch(
-        cfg,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        capacity=capacity,
-    )
-    final = generate_jit(target, *batch.arrays, jax.random.key(seed), **batch.static)
+    (and including) the first EOS or after its max-new-tokens. `batch_kw`: `prepare_batch`'s
+    max_new_tokens, temperature (0: greedy), top_p (those three may be per row), eos_ids
+    (default: the config's) and capacity."""
+    arrays, static = prepare_batch(target.config, prompts, **batch_kw)
+    final = generate_jit(nnx.split(target), *arrays, jax.random.key(seed), **static)
     tokens_BxT, num_out_B = jax.device_get((final.tokens_BxT, final.num_out_B))
     return [tokens_BxT[i, : num_out_B[i]].tolist() for i in range(len(prompts))]

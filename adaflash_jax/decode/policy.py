@@ -2,18 +2,15 @@
 
 Dimensions: B slots, K block size, V vocab, nD target features per committed token.
 
-A policy is a pure-function triple in the manner of optax's transformations, declared by
-`LengthPolicy`: `init` makes its state (a pytree the engine carries as one opaque
-`SpecState.policy_state`, as a train state carries `opt_state`), `widths` turns a drafter
-forward (`Draft`: its hidden states and distributions, never the sampled drafts, so sampled
-decoding stays lossless) into a requested width w_b in [1, K] per row (the bonus + w − 1
-drafts; the engine runs the batch at the smallest bucket >= the largest active request),
-and `observe` learns from what the engine did (`Outcome`). Policies are frozen dataclasses:
-hashable, so they travel in the engine's static spec into `jax.jit`.
-
-A policy may also bring its own loop programs (`programs`): none for `fixed` and `adaflash`,
-which run the engine's drafted loop (`step.decode_loop`); goodput's skip arm brings a drafted
-loop and one of undrafted steps (`goodput/skip.py`).
+A policy is a pure-function triple in the manner of optax's transformations (`LengthPolicy`):
+`init` makes its state (a pytree the engine carries as one opaque `SpecState.policy_state`,
+as a train state carries `opt_state`), `widths` turns a drafter forward (`Draft`: its hidden
+states and distributions, never the sampled drafts, so sampled decoding stays lossless) into
+a requested width w_b in [1, K] per row (the bonus + w − 1 drafts; the batch runs at the
+smallest bucket >= the largest active request), and `observe` learns from what the engine
+did (`Outcome`). Policies are frozen dataclasses: hashable, so they travel in the engine's
+static spec into `jax.jit`. A policy may bring its own loop programs (goodput's skip arm:
+`goodput/skip.py`); `fixed` and `adaflash` run the engine's drafted loop (`step.py`).
 """
 
 from __future__ import annotations
@@ -102,10 +99,13 @@ class LengthPolicy(Protocol):
 
 
 class Stateless:
-    """`init` and `observe` of a policy that keeps nothing; the engine's drafted loop."""
+    """A policy that keeps nothing, reads no acceptance output and runs the drafted loop."""
 
     needs_accept_head = False
     programs = ()
+
+    def validate(self, *, buckets, has_length_head):
+        pass
 
     def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
         return ()
@@ -120,9 +120,6 @@ class FixedPolicy(Stateless):
 
     name = "fixed"
     needs_length_head = False
-
-    def validate(self, *, buckets, has_length_head):
-        pass
 
     def widths(self, draft: Draft, state):
         return jnp.full(draft.active_B.shape, draft.block_size, jnp.int32), state

@@ -3,9 +3,9 @@
 Dimensions: B slots, I rows admitted by one prefill, Q padded prompt length, S capacity.
 
 Each takes the target and the drafter as one (graphdef, state) pair each (the graphdef is
-static pytree data, so it is part of the compiled program's key) and donates the engine
-state: callers continue from the returned one. Without donation each device call copies
-the whole state before its loop runs, which was most of a call's overhead on the CPU.
+static pytree data: part of the compiled program's key) and donates the engine state, so
+callers continue from the returned one (without donation each device call copies the whole
+state before its loop runs: most of a call's overhead on the CPU).
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ def _merge(model):
 @functools.partial(jax.jit, static_argnames=("spec", "program"), donate_argnames=("s",))
 def run_loop(target, drafter, s: SpecState, stop_on_finish, max_steps, *, spec, program=0):
     """Runs loop program `program` (an index into the policy's programs, or the engine's
-    drafted loop for a policy without its own) until no slot is active, `max_steps` ran, (if
-    `stop_on_finish`) a slot finished, or the policy wants another program. Returns (state,
-    steps run, slots finished, the program to run next)."""
+    drafted loop) until it stops (`step.may_continue`) or the policy wants another program.
+    Returns (state, steps run, slots finished, the program to run next)."""
     run = (spec.policy.programs or (decode_loop,))[program]
     b = s.done_B.shape[0]
     s = constrain_rows(spec.rows, s, b)
@@ -46,12 +45,10 @@ def _scatter_rows(dst, src, slots_I):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("s",))
 def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new_I, *, spec):
-    """Starts I requests in slots `slots_I` (padding rows carry slot index B: dropped).
-
-    Fresh caches for those rows: the prompt fills the target cache and its features the
-    drafter context; the first token comes from the prefill logits and becomes the bonus.
-    The rows are marked started, for the policy to observe when the next loop begins.
-    Pass `spec.prefill_spec`: engines that differ only in policy share this program."""
+    """Starts I requests in slots `slots_I` (padding rows carry slot index B: dropped): the
+    prompt fills fresh target-cache rows and its features the drafter context; the first
+    token, from the prefill logits, becomes the bonus. The rows are marked started for the
+    policy. Pass `spec.prefill_spec`: engines that differ only in policy share this program."""
     target, drafter = _merge(target), _merge(drafter)
     n, capacity = prompt_IxQ.shape[0], s.target_cache.capacity
     s = constrain_rows(spec.rows, s, s.done_B.shape[0])

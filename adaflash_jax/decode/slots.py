@@ -4,13 +4,10 @@ The device runs a loop program of jitted steps (`programs.run_loop`) until an ac
 finishes; the host then harvests finished slots, prefills the next queued requests into the
 free ones (one jitted prefill per group, prompt lengths and row counts padded to powers of
 two to bound compiles) and continues until the queue is empty and every slot is done. A
-policy with several loop programs (goodput's skip arm) says which to run next; the host
-switches.
+policy with several loop programs (goodput's skip arm) says which runs next.
 
     engine = SpeculativeEngine(target, drafter, slots=4, capacity=512, policy=AdaFlashPolicy())
     results = engine.generate([(prompt_ids, max_new_tokens), ...])   # list[Result]
-
-`build.build_engine` makes one from a policy name (goodput's cost table measured first).
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ from flax import nnx
 
 from adaflash_jax.decode import programs
 from adaflash_jax.decode.drafting import EngineDrafter
-from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError
-from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set, init_state, policy_slots
+from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError, Slots
+from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set
 from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
@@ -46,19 +43,17 @@ class Result:
     output_ids: list[int]  # generated tokens, ending at (and including) an EOS if one came
     accepted: list[int]  # accepted drafts per verify step
     widths: list[int]  # batch verify width (bucket the target ran) per step
-    requested_widths: list[int]  # the width the policy asked for this row per step; 0 marks
-    # an undrafted (plain) step of goodput's skip arm
+    requested_widths: list[int]  # the policy's width for this row per step (0: undrafted)
     steps: int  # verify steps (the first token comes from the prefill, not a step)
     tau: float  # mean tokens committed per verify step (accepted + 1); nan without steps
     finish_reason: str  # "eos" or "length"
 
 
 NO_ACCEPT_OUTPUT = (
-    "the policy reads per-position acceptance from the length head (estimator 'head'), but "
-    "this drafter has no accept_probs output: its acceptance part "
-    f"({ACCEPT_FILE}) is missing, e.g. after a transformers "
-    "save_pretrained, or was never trained (draft.accept_dim = 0). Re-attach it with "
-    "`python -m experiments.export RUN --out DIR` from the run's checkpoint"
+    "the policy reads per-position acceptance from the length head (estimator 'head'), but this "
+    f"drafter has no accept_probs output: its acceptance part ({ACCEPT_FILE}) is missing, e.g. "
+    "after a transformers save_pretrained, or was never trained (draft.accept_dim = 0). "
+    "Re-attach it with `python -m experiments.export RUN --out DIR` from the run's checkpoint"
 )
 
 
@@ -66,11 +61,8 @@ def has_accept_output(drafter) -> bool:
     return drafter.length_head is not None and drafter.length_head.has_accept_output
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return min(p, cap)
+def _pow2_at_least(n: int, cap: int) -> int:  # n >= 1
+    return min(1 << (n - 1).bit_length(), cap)
 
 
 class SpeculativeEngine:
@@ -140,11 +132,16 @@ class SpeculativeEngine:
             acceptance=acceptance,
             rows=rows,
         )
+        # what the policy sizes its state by: nD = the target features a committed token adds
+        nd = len(self.spec.feature_layers) * cfg.hidden_size
+        self.policy_slots = Slots(
+            count=slots, block_size=k, feature_dim=nd, feature_dtype=target.dtype
+        )
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
         # the policy state the latest `generate` ended with (None: none, or a stateless policy)
         self.learnt = None
-        self.last_run: dict = {}  # loop steps / device calls / probes of the latest `generate`
+        self.last_run: dict = {}  # loop steps and probes of the latest `generate`
         self._program = 0  # the loop program `run` continues with
 
     # ---- validation -----------------------------------------------------------------------
@@ -166,25 +163,34 @@ class SpeculativeEngine:
 
     # ---- device calls ---------------------------------------------------------------------
     def init_state(self, seed: int) -> SpecState:
-        """A fresh state; the policy's starts from what the latest `generate` ended with
-        (`learnt`: a policy that adapts across calls keeps what it learnt)."""
-        slots = policy_slots(self.target, self.drafter, self.slots)
-        state = init_state(
-            self.target,
-            self.drafter,
-            self.policy.init(slots, self.learnt),
-            slots=self.slots,
-            capacity=self.capacity,
-            eos_ids=self.eos_ids,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=seed,
-        )
-        return state if self.spec.rows is None else self.spec.rows.place(state, self.slots)
+        """All slots free (done); buffers are `capacity` long (a request never outgrows it).
+        The policy's state starts from what the latest `generate` ended with (`learnt`)."""
+        b, cap, drafter = self.slots, self.capacity, self.drafter
 
-    def forget(self) -> None:
-        """Forgets what earlier `generate` calls taught the policy."""
-        self.learnt = None
+        def blank_BxS():  # one buffer per field: the state is donated, and a buffer may not be
+            return jnp.full((b, cap), -1, jnp.int32)  # donated twice in one call
+
+        state = SpecState(
+            target_cache=self.target.init_cache(b, cap),
+            context_cache=None if drafter is None else drafter.init_context_cache(b, cap),
+            bonus_B=jnp.zeros((b,), jnp.int32),
+            out_BxS=blank_BxS(),
+            num_out_B=jnp.zeros((b,), jnp.int32),
+            max_new_B=jnp.zeros((b,), jnp.int32),
+            done_B=jnp.ones((b,), bool),
+            started_B=jnp.zeros((b,), bool),
+            eos_E=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
+            steps_B=jnp.zeros((b,), jnp.int32),
+            accepted_BxS=blank_BxS(),
+            width_BxS=blank_BxS(),
+            request_BxS=blank_BxS(),
+            probes=jnp.zeros((), jnp.int32),
+            policy_state=self.policy.init(self.policy_slots, self.learnt),
+            temperature=jnp.asarray(self.temperature, jnp.float32),
+            top_p=jnp.asarray(self.top_p, jnp.float32),
+            rng=jax.random.key(seed),
+        )
+        return state if self.spec.rows is None else self.spec.rows.place(state, b)
 
     def prefill(self, state, assignments):
         """assignments: list of (slot, prompt, max_new) started in one padded call."""
@@ -225,18 +231,18 @@ class SpeculativeEngine:
             self._program = int(nxt)
 
     # ---- host scheduler -------------------------------------------------------------------
-    def generate(self, requests: Sequence[tuple[Sequence[int], int]], *, seed=None) -> list:
+    def generate(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[Result]:
         """Decodes every (prompt_ids, max_new_tokens) request; results in request order."""
         requests = [(list(map(int, p)), int(m)) for p, m in requests]
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
-        state = self.init_state(self.seed if seed is None else seed)
+        state = self.init_state(self.seed)
         self._program = 0
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index
         results: list[Result | None] = [None] * len(requests)
-        loop_steps, calls = 0, 0
+        loop_steps = 0
         while queue or owner:
             starts = []
             while queue and free:
@@ -245,33 +251,21 @@ class SpeculativeEngine:
                 starts.append((slot, *requests[i]))
             if starts:
                 state = self.prefill(state, starts)
-            state, steps, n_calls, done_B = self.run(state, stop_on_finish=bool(queue))
-            loop_steps, calls = loop_steps + steps, calls + n_calls
+            state, steps, _, done_B = self.run(state, stop_on_finish=bool(queue))
+            loop_steps += steps
             finished = [slot for slot in owner if done_B[slot]]
             if finished:
                 self._harvest(state, finished, owner, results)
-                free.extend(finished)
-                free.sort()
+                free = sorted(free + finished)
         # what the next call's policy state starts from (None: the policy keeps nothing)
         self.learnt = state.policy_state if jax.tree.leaves(state.policy_state) else None
-        self.last_run = {
-            "loop_steps": loop_steps,
-            "device_loops": calls,
-            "probes": int(fetch(state.probes)),  # drafter forwards, no verify
-        }
+        # probes: drafter forwards that verified nothing
+        self.last_run = {"loop_steps": loop_steps, "probes": int(fetch(state.probes))}
         return results
 
     def _harvest(self, state, slots, owner, results):
-        out, n_out, acc, width, req, steps = fetch(
-            (
-                state.out_BxS,
-                state.num_out_B,
-                state.accepted_BxS,
-                state.width_BxS,
-                state.request_BxS,
-                state.steps_B,
-            )
-        )
+        out, n_out, steps = fetch((state.out_BxS, state.num_out_B, state.steps_B))
+        acc, width, req = fetch((state.accepted_BxS, state.width_BxS, state.request_BxS))
         eos = set(self.eos_ids)
         for slot in slots:
             i = owner.pop(slot)

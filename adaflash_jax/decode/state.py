@@ -1,14 +1,13 @@
-"""The speculative engine's state and static spec (docs/design.md §5, §8).
+"""The speculative engine's state and static spec (docs/design.md §5.1).
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
 eos ids, K block size, W verify width (a bucket).
 
-Invariants of a live slot b (one request): `bonus_B[b]` is the last committed token; neither
-its target K/V nor its target features exist yet, so `target_cache.lengths[b]` is its
-position (and so is `context_cache.lengths[b]`, unless a policy defers context entries: see
-goodput's skip arm). Finished and free slots ride along masked: nothing they compute is
-committed. The plain path (`drafter is None`) uses the same state with width 1 and no
-drafter context.
+Invariants of a live slot b: `bonus_B[b]` is the last committed token; neither its target
+K/V nor its features exist yet, so `target_cache.lengths[b]` is its position (and so is
+`context_cache.lengths[b]`, unless a policy defers context entries: goodput's skip arm).
+Finished and free slots ride along masked: nothing they compute is committed. The plain
+path (`drafter is None`) uses the same state with width 1 and no drafter context.
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from adaflash_jax.decode import acceptance
-from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, Slots
+from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy
 from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.sharding.rows import RowLayout
 
@@ -89,45 +87,3 @@ class EngineSpec:
 def bucket_set(buckets, block_size: int) -> tuple[int, ...]:
     """The requested buckets clipped below K, with K itself always present."""
     return tuple(sorted({int(b) for b in buckets if 1 <= int(b) < block_size} | {block_size}))
-
-
-def init_state(
-    target, drafter, policy_state, *, slots, capacity, eos_ids, temperature, top_p, seed
-) -> SpecState:
-    """All slots free (done). Buffers are `capacity` long: a request never outgrows it."""
-
-    def blank_BxS():  # one buffer per field: the state is donated, and a buffer may not be
-        return jnp.full((slots, capacity), -1, jnp.int32)  # donated twice in one call
-
-    return SpecState(
-        target_cache=target.init_cache(slots, capacity),
-        context_cache=None if drafter is None else drafter.init_context_cache(slots, capacity),
-        bonus_B=jnp.zeros((slots,), jnp.int32),
-        out_BxS=blank_BxS(),
-        num_out_B=jnp.zeros((slots,), jnp.int32),
-        max_new_B=jnp.zeros((slots,), jnp.int32),
-        done_B=jnp.ones((slots,), bool),
-        started_B=jnp.zeros((slots,), bool),
-        eos_E=jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32),
-        steps_B=jnp.zeros((slots,), jnp.int32),
-        accepted_BxS=blank_BxS(),
-        width_BxS=blank_BxS(),
-        request_BxS=blank_BxS(),
-        probes=jnp.zeros((), jnp.int32),
-        policy_state=policy_state,
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_p=jnp.asarray(top_p, jnp.float32),
-        rng=jax.random.key(seed),
-    )
-
-
-def policy_slots(target, drafter, slots: int) -> Slots:
-    """What a policy sizes its state by, for this engine's models."""
-    k = 1 if drafter is None else drafter.config.block_size
-    nd = 0 if drafter is None else len(drafter.config.target_layer_ids)
-    return Slots(
-        count=slots,
-        block_size=k,
-        feature_dim=nd * target.config.hidden_size,
-        feature_dtype=target.dtype,
-    )

@@ -2,12 +2,12 @@
 
 Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
 
-A drafted step: the drafter proposes K−1 tokens after each row's bonus (`drafting.draft`),
-the policy asks for widths, the target verifies at the bucket (`verify.verify`), row b
-accepts n_b drafts and commits n_b + 1 tokens (drafts + a new bonus); both caches take the
-new entries and move their lengths by n_b + 1 in one place (`KVCache.write`), which is the
-rollback of the rejected rest. A plain step (no drafter, or a policy's undrafted step) runs
-the target over each row's bonus in "write" cache mode and picks the next token.
+A drafted step: the drafter proposes K−1 tokens after each row's bonus, the policy asks for
+widths, the target verifies at the bucket, row b accepts n_b drafts and commits n_b + 1
+tokens (drafts + a new bonus); both caches take the new entries and move their lengths by
+n_b + 1 in one place (`KVCache.write`): the rollback of the rejected rest. A plain step (no
+drafter, or a policy's undrafted step) runs the target over each row's bonus in "write"
+cache mode and picks the next token.
 """
 
 from __future__ import annotations
@@ -119,18 +119,13 @@ def counting(step):
 
 
 def decode_loop(target, drafter, s, spec, stop_on_finish, max_steps):
-    """The engine's loop program: drafted steps (plain ones without a drafter) until no slot
-    is active, `max_steps` ran, or (if `stop_on_finish`) a slot finished. Returns (state,
-    steps run, slots finished, next program: 0, this one)."""
-    if drafter is None:
+    """The engine's loop program: drafted steps (plain ones without a drafter) while
+    `may_continue`. Returns (state, steps run, slots finished, next program: 0, this one)."""
 
-        def step(s):
+    def step(s):
+        if drafter is None:
             return plain_step(target, s, spec, requested=1)[0]
-
-    else:
-
-        def step(s):
-            return drafted_step(target, drafter, s, spec)
+        return drafted_step(target, drafter, s, spec)
 
     carry = (admit(s, spec), jnp.int32(0), jnp.int32(0))
     s, steps, finished = jax.lax.while_loop(

@@ -6,7 +6,7 @@ E eos ids.
 
 `logits_to_probs` IS the distribution `pick_tokens` draws from and rejection sampling
 verifies against, so lossless speculative decoding reproduces plain sampling exactly.
-Temperature 0 is the greedy limit: a one-hot at the argmax (the first one, on ties).
+Temperature 0 is the greedy limit: a one-hot at the (first) argmax.
 """
 
 from __future__ import annotations
@@ -20,25 +20,24 @@ def _per_row(value, batch: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (batch,))
 
 
-def logits_to_probs(logits_BxV: jax.Array, temperature, top_p=1.0) -> jax.Array:
+def logits_to_probs(logits_BxV: jax.Array, temperature, top_p=None) -> jax.Array:
     """Sampling distribution [B, V] (float32) for temperature and top-p, scalar or per row.
 
     Top-p keeps the smallest head of the sorted distribution whose mass reaches `top_p`
     (always at least the most likely token); tokens tied with the last kept probability are
-    kept too, so the set does not depend on how the sort breaks ties. `top_p >= 1` keeps all.
-    A static python `top_p >= 1` skips the sort over the vocabulary.
+    kept too, so the set does not depend on how the sort breaks ties. `top_p >= 1` keeps all;
+    a static `None` or python `top_p >= 1` skips the sort over the vocabulary.
     """
     b, v = logits_BxV.shape
     temp_B = _per_row(temperature, b)
-    top_p_B = _per_row(top_p, b)
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = temp_B <= 0.0
     safe_temp_B = jnp.where(greedy_B, 1.0, temp_B)
     probs_BxV = jax.nn.softmax(logits_BxV / safe_temp_B[:, None], axis=-1)
     one_hot_BxV = jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), v, dtype=jnp.float32)
-    if isinstance(top_p, int | float) and top_p >= 1.0:  # static: no nucleus, no sort
+    if top_p is None or (isinstance(top_p, int | float) and top_p >= 1.0):  # static: no sort
         return jnp.where(greedy_B[:, None], one_hot_BxV, probs_BxV)
-
+    top_p_B = _per_row(top_p, b)
     sorted_BxV = -jnp.sort(-probs_BxV, axis=-1)  # descending
     mass_before_BxV = jnp.cumsum(sorted_BxV, axis=-1) - sorted_BxV
     in_nucleus_BxV = mass_before_BxV < top_p_B[:, None]
@@ -51,17 +50,12 @@ def logits_to_probs(logits_BxV: jax.Array, temperature, top_p=1.0) -> jax.Array:
     return jnp.where(greedy_B[:, None], one_hot_BxV, nucleus_BxV)
 
 
-def sampling_probs(logits_BxV: jax.Array, temperature, top_p=None) -> jax.Array:
-    """`logits_to_probs` with `top_p=None` meaning "no nucleus filter", decided statically."""
-    return logits_to_probs(logits_BxV, temperature, 1.0 if top_p is None else top_p)
-
-
 def pick_tokens(key, logits_BxV, temperature, top_p=None, *, greedy: bool = False):
     """One token per row [B] int32: the argmax when `greedy` (static), else a draw from
-    `sampling_probs` (a row at temperature 0 draws its argmax)."""
+    `logits_to_probs` (a row at temperature 0 draws its argmax)."""
     if greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    probs_BxV = sampling_probs(logits_BxV, temperature, top_p)
+    probs_BxV = logits_to_probs(logits_BxV, temperature, top_p)
     # log(0) = -inf removes filtered tokens exactly; categorical never draws them.
     return jax.random.categorical(key, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
 

@@ -6,11 +6,10 @@ dim, nD concatenated target features.
 The target runs over [bonus, d_1..d_{W−1}] at the smallest bucket W >= the largest active
 request, one switch branch per bucket (one compiled program for every width). Each branch
 runs the target in "read" cache mode (a branch that wrote the cache would make XLA copy it
-every step; see `model/target.py`) and accepts its W − 1 drafts there: the logits never
-leave their branch (padding [B, W, V] to K and accepting over K positions would cost as much
-as the forward at small widths). The drafter-context entries of the (at most W) committed
-tokens are computed in the branch too, over W positions only. The branch returns the new
-target and context entries padded to K; the step writes both caches after the switch.
+every step; see `model/target.py`) and accepts there: the logits never leave their branch
+(padding [B, W, V] to K and accepting over K would cost as much as the forward at small
+widths). It computes the drafter-context entries of its (at most W) committable tokens too,
+and returns both caches' new entries padded to K; the step writes them after the switch.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 
-def _pad_to(width: int, x_BxWx):
-    """Zero-pads axis 1 to `width`."""
-    return jnp.pad(x_BxWx, [(0, 0), (0, width - x_BxWx.shape[1])] + [(0, 0)] * (x_BxWx.ndim - 2))
+def _pad_to(k: int, kv):
+    """Per-layer entries [B, W, Kv, Dh] zero-padded to [B, K, Kv, Dh]."""
+    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, k - x.shape[1]), (0, 0), (0, 0)]), kv)
 
 
 def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
@@ -31,36 +30,25 @@ def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
     per layer [B, K, Kv, Dh] with zeros past the bucket, and the bucket W)."""
     k = spec.block_size
 
-    def branch(w):
-        def run(target_cache):
-            out = target(
-                tokens_BxK[:, :w],
-                cache=target_cache,
-                cache_mode="read",
-                feature_layers=spec.feature_layers,
-                rows=spec.rows,
-            )
-            ctx_kv = drafter.context_entries(s.context_cache, out.features_BxTxnD)
-            accepted_B, bonus_B = spec.accept_fn(
-                key,
-                tokens_BxK[:, 1:w],
-                None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1],
-                out.logits_BxTxV.astype(jnp.float32),
-                width_B,
-                s.temperature,
-                spec.top_p(s),
-            )
-            return (
-                accepted_B.astype(jnp.int32),
-                bonus_B.astype(jnp.int32),
-                jax.tree.map(functools.partial(_pad_to, k), out.new_kv),
-                jax.tree.map(functools.partial(_pad_to, k), ctx_kv),
-            )
-
-        return run
+    def branch(w, target_cache):
+        out = target(
+            tokens_BxK[:, :w],
+            cache=target_cache,
+            cache_mode="read",
+            feature_layers=spec.feature_layers,
+            rows=spec.rows,
+        )
+        ctx_kv = drafter.context_entries(s.context_cache, out.features_BxTxnD)
+        q_BxWm1xV = None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1]
+        logits_BxWxV = out.logits_BxTxV.astype(jnp.float32)
+        accepted_B, bonus_B = spec.accept_fn(
+            key, tokens_BxK[:, 1:w], q_BxWm1xV, logits_BxWxV, width_B, s.temperature, spec.top_p(s)
+        )
+        kv = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv)
+        return accepted_B.astype(jnp.int32), bonus_B.astype(jnp.int32), *kv
 
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
     bucket = jnp.minimum(bucket, len(spec.buckets) - 1)  # a spec pinned below K caps it
-    branches = [branch(w) for w in spec.buckets]
+    branches = [functools.partial(branch, w) for w in spec.buckets]
     return (*jax.lax.switch(bucket, branches, s.target_cache), buckets_NW[bucket])

@@ -56,7 +56,7 @@ def generate_greedy(
         chunk = list(prompt_ids[start : start + b])
         real = len(chunk)
         chunk += [chunk[0]] * (b - real)  # a fixed batch shape: no recompilation
-        prepared = prepare_batch(
+        arrays, static = prepare_batch(
             target_cfg,
             chunk,
             max_new_tokens=max_new_tokens,
@@ -64,13 +64,13 @@ def generate_greedy(
             capacity=p_pad + max_new_tokens,
         )
         prompt_BxP = np.zeros((b, p_pad), np.int32)
-        prompt_BxP[:, : prepared.arrays[0].shape[1]] = np.asarray(prepared.arrays[0])
+        prompt_BxP[:, : arrays[0].shape[1]] = np.asarray(arrays[0])
         final = generate_jit(
             target_split,
             prompt_BxP,
-            *prepared.arrays[1:],
+            *arrays[1:],
             jax.random.key(0),
-            **prepared.static,
+            **static,
             rows=rows,
         )
         tokens_BxT, num_B = fetch((final.tokens_BxT, final.num_out_B))

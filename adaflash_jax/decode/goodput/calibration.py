@@ -4,20 +4,16 @@ Dimensions: B slots, K block size, S per-slot output buffer length.
 
 Why: an estimator can be far off for a given drafter and domain (BENCHMARKS.md §1: on the
 tiny target's math prompts the drafter's confidence expected ~0.5 accepted drafts per step
-where 5–7 were accepted), and scaling the expected count cannot fix that (the same factor
-would be wrong for prose), nor can an engine-wide correction learnt only from drafted steps
-(it learns nothing once nothing drafts).
-
-So each row calibrates its per-position estimates with an exponent, a_i ↦ a_i^γ (γ < 1 lifts
-an under-confident estimator, γ > 1 lowers an over-confident one, and the ordering across
-positions and steps is kept). Each observed outcome (a draft of known estimates, graded
-over width W, with n drafts accepted) moves the row's calibrated expected count
-Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the way towards n, and γ is refit to that count (by
-bisection: the count falls as γ grows). Outcomes come from drafted steps (the verified
-count) and from probes graded after the fact (`skip.py`; with sampling, the match of the
-drafter's argmax against the sampled token stands in for rejection-sampling acceptance: a
-proxy). Only committed tokens are read, so decisions stay lossless. A fresh request starts
-from the engine-wide EMA of all rows' outcomes.
+where 5–7 were accepted). Scaling the expected count cannot fix that (the same factor is
+wrong for prose), nor can an engine-wide correction learnt only from drafted steps (it learns
+nothing once nothing drafts). So each row calibrates its estimates with an exponent,
+a_i ↦ a_i^γ (γ < 1 lifts an under-confident estimator, γ > 1 lowers an over-confident one;
+the ordering is kept). Each outcome (a draft of known estimates graded over width W, n drafts
+accepted) moves the row's calibrated expected count Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the
+way towards n, and γ is refit to that count. Outcomes come from drafted steps and from probes
+graded after the fact (`skip.py`; with sampling, the drafter's argmax matching the sampled
+token is a proxy for rejection-sampling acceptance). Only committed tokens are read, so
+decisions stay lossless. A fresh request starts from the engine-wide EMA of all outcomes.
 """
 
 from __future__ import annotations
@@ -31,6 +27,20 @@ ROW_RATE = 0.3  # how far one outcome moves its row's expected count towards it
 ENGINE_RATE = 0.1  # the same for the engine-wide γ (a fresh request's start)
 MAX_LOG_GAMMA = math.log(32.0)  # γ within [1/32, 32]
 FIT_ITERS = 12  # bisection steps: log γ to ±2·MAX_LOG_GAMMA / 2^12 ≈ 0.002
+
+
+def bisect(too_high, lo_B: jax.Array, hi_B: jax.Array, iters: int, unroll: bool = False):
+    """The root of a monotone function within [lo_B, hi_B] per row, by `iters` halvings;
+    `too_high(mid_B)` (bool [B]) says the root lies below mid."""
+
+    def body(_, lo_hi):
+        lo_B, hi_B = lo_hi
+        mid_B = 0.5 * (lo_B + hi_B)
+        below_B = too_high(mid_B)
+        return jnp.where(below_B, lo_B, mid_B), jnp.where(below_B, mid_B, hi_B)
+
+    lo_B, hi_B = jax.lax.fori_loop(0, iters, body, (lo_B, hi_B), unroll=unroll)
+    return 0.5 * (lo_B + hi_B)
 
 
 def calibrated(accept_BxKm1: jax.Array, log_gamma) -> jax.Array:
@@ -58,30 +68,23 @@ def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
     realised one (clipped to ±MAX_LOG_GAMMA when no exponent reaches it)."""
     target_B = realised_B.astype(jnp.float32)
 
-    def body(_, lo_hi):
-        lo_B, hi_B = lo_hi
-        mid_B = 0.5 * (lo_B + hi_B)
-        too_few_B = accepted_at(calibrated(est_BxKm1, mid_B), width_B) < target_B
-        return jnp.where(too_few_B, lo_B, mid_B), jnp.where(too_few_B, mid_B, hi_B)
+    def too_few(log_gamma_B):  # the count falls as γ grows
+        return accepted_at(calibrated(est_BxKm1, log_gamma_B), width_B) < target_B
 
-    lo = jnp.full_like(target_B, -MAX_LOG_GAMMA)
-    hi = jnp.full_like(target_B, MAX_LOG_GAMMA)
+    lo_B = jnp.full_like(target_B, -MAX_LOG_GAMMA)
+    hi_B = jnp.full_like(target_B, MAX_LOG_GAMMA)
     # unrolled: this runs inside every probe and drafted step, and a rolled loop of tiny
     # steps pays a loop iteration's overhead per step
-    lo, hi = jax.lax.fori_loop(0, FIT_ITERS, body, (lo, hi), unroll=True)
-    return 0.5 * (lo + hi)
+    return bisect(too_few, lo_B, hi_B, FIT_ITERS, unroll=True)
 
 
 def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
-    """Updates of the rows' and the engine's log γ from outcomes: row b's draft, with raw
-    estimates est_BxKm1[b], was verified (or graded) over width_B[b] and realised_B[b] drafts
-    were (or would have been) accepted. Each moves the calibrated expected count a RATE
-    fraction of the way to the realised one and refits γ to that (a single outcome is noisy,
-    and a 0 or a full block alone would fit γ at a bound). Rows not `graded_B` keep theirs;
-    the engine's becomes the mean of its refits over the graded rows. Returns (log_gamma_B,
-    log_gamma)."""
+    """(log_gamma_B, log_gamma) after outcomes: row b's draft (raw estimates est_BxKm1[b]) was
+    verified or graded over width_B[b], realised_B[b] drafts accepted. Each moves the
+    calibrated count a RATE fraction towards the realised one and refits γ to that (one
+    outcome is noisy, and a 0 or a full block alone would fit γ at a bound). Rows not
+    `graded_B` keep theirs; the engine's becomes the mean refit of the graded rows."""
     realised_B = realised_B.astype(jnp.float32)
-
     b = log_gamma_B.shape[0]
     # the rows' refits and the engine's in one bisection over 2B rows
     lg_2B = jnp.concatenate([log_gamma_B, jnp.broadcast_to(log_gamma, (b,))])
@@ -98,10 +101,9 @@ def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
 
 
 def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxS, num_out_B):
-    """How a probe's drafts fared against the tokens committed since: a probe at output
-    position at_B[b] drafted the tokens for positions at_B[b] .. at_B[b] + K − 2; of those,
-    the ones committed so far can be graded. Returns (realised_B: leading matches, width_B:
-    1 + graded positions, graded_B: live rows with at least one position to grade)."""
+    """How a probe's drafts (for output positions at_B[b] .. at_B[b] + K − 2) fared against
+    the tokens committed since. Returns (realised_B: leading matches, width_B: 1 + positions
+    committed so far, graded_B: live rows with at least one such position)."""
     b, km1 = drafts_BxKm1.shape
     s = out_BxS.shape[1]
     avail_B = jnp.clip(num_out_B - at_B, 0, km1)

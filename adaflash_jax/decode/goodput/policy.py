@@ -1,27 +1,20 @@
-"""The goodput length policy (`LengthPolicy`) and its acceptance estimators.
+"""The goodput length policy (`LengthPolicy`) and its acceptance estimators (docs/design.md §5.4).
 
 Dimensions: B slots, K block size, NW widths (the verify buckets), V vocab, U deferred
 context positions, nD concatenated target features.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
-step_ms(W) over the bucket set, where E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each
-row's per-position acceptance estimates a_i (drafts < i accepted) and step_ms is the cost
-table's draft + verify time (`decode/cost_table.py`).
+step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
+estimates a_i (the chance draft i is accepted, drafts < i accepted: the drafter's top
+probability, "confidence"; the constant rate the length head's r implies, "length_head"; or
+the head's acceptance output, "head"), step_ms the cost table's draft + verify time.
 
-With `skip_draft` (the "don't speculate" arm), before drafting it compares the best
-expected rate of a drafted step against a plain target step (width 1, no drafter forward),
-from each row's estimates of its latest drafter forward (a drafted step's or a probe's; a
-fresh request starts at the engine's running mean, 1 before any), calibrated to the row's
-realised acceptance (`calibration.py`). The decision reads earlier steps only and an
-undrafted step is exactly a plain decoding step, so decoding stays lossless. The engine runs
-the arm as two loop programs (`skip.py`). Without the arm the policy keeps no state.
-
-Acceptance estimators (per-position acceptance probability a_i of draft i):
-- "confidence": a_i = max_x softmax(drafter logits_i)(x), the drafter's own top probability
-  at temperature 1. For a calibrated drafter this is the chance its argmax is the target's.
-- "length_head": r estimates (A + 1)/K (docs/design.md §4.3), so the mean accepted streak is
-  m = clip(r·K − 1, 0, K − 1); a constant per-position rate a solves Σ_{i=1}^{K−1} a^i = m.
-- "head": the length head's per-position acceptance output (`LengthHead.accept_probs`).
+With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain step
+(width 1, no drafter forward) runs instead when its rate beats drafting's best, judged from
+each row's latest drafter forward (a drafted step's or a probe's; a fresh request starts at
+the engine's running mean, 1 before any), calibrated to the row's realised acceptance
+(`calibration.py`). Decisions read earlier steps only and an undrafted step is exactly a
+plain step, so decoding stays lossless. Without the arm the policy keeps no state.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from flax import struct
 
 from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput import skip
-from adaflash_jax.decode.goodput.calibration import accepted_by_width, calibrated, update
+from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
 from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
 
 ESTIMATORS = ("confidence", "length_head", "head")
@@ -43,36 +36,24 @@ PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh re
 
 
 # ---- acceptance estimators -----------------------------------------------------------------
-def confidence_accept_probs(logits_BxKm1xV: jax.Array) -> jax.Array:
-    return jnp.max(jax.nn.softmax(logits_BxKm1xV.astype(jnp.float32), axis=-1), axis=-1)
+def length_head_accept_probs(r_B: jax.Array, block_size: int, iters: int = 40) -> jax.Array:
+    """[B, K−1]: the constant rate a in [0, 1] with Σ_{i=1}^{K−1} a^i = r·K − 1 (the mean
+    accepted streak r implies, clipped to [0, K − 1])."""
+    n = block_size - 1
+    powers_N = jnp.arange(1, n + 1, dtype=jnp.float32)
+    target_B = jnp.clip((r_B * block_size - 1.0).astype(jnp.float32), 0.0, float(n))
 
+    def too_big(a_B):  # the sum grows with a
+        return jnp.sum(a_B[:, None] ** powers_N[None, :], axis=-1) > target_B
 
-def geometric_rate(mean_accepted_B: jax.Array, num_drafts: int, iters: int = 40) -> jax.Array:
-    """Per-position rate a in [0, 1] with Σ_{i=1}^{n} a^i = mean (n = num_drafts), by bisection
-    (the sum is increasing in a)."""
-    powers_N = jnp.arange(1, num_drafts + 1, dtype=jnp.float32)
-    target_B = jnp.clip(mean_accepted_B.astype(jnp.float32), 0.0, float(num_drafts))
-
-    def body(_, lo_hi):
-        lo_B, hi_B = lo_hi
-        mid_B = 0.5 * (lo_B + hi_B)
-        too_big_B = jnp.sum(mid_B[:, None] ** powers_N[None, :], axis=-1) > target_B
-        return jnp.where(too_big_B, lo_B, mid_B), jnp.where(too_big_B, mid_B, hi_B)
-
-    lo_B, hi_B = jax.lax.fori_loop(
-        0, iters, body, (jnp.zeros_like(target_B), jnp.ones_like(target_B))
-    )
-    return 0.5 * (lo_B + hi_B)
-
-
-def length_head_accept_probs(r_B: jax.Array, block_size: int) -> jax.Array:
-    a_B = geometric_rate(r_B * block_size - 1.0, block_size - 1)
-    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], block_size - 1))
+    a_B = bisect(too_big, jnp.zeros_like(target_B), jnp.ones_like(target_B), iters)
+    return jnp.broadcast_to(a_B[:, None], (r_B.shape[0], n))
 
 
 def accept_probs(draft: Draft, estimator: str) -> jax.Array:
     if estimator == "confidence":
-        return confidence_accept_probs(draft.logits_BxKm1xV)
+        logits_BxKm1xV = draft.logits_BxKm1xV.astype(jnp.float32)
+        return jnp.max(jax.nn.softmax(logits_BxKm1xV, axis=-1), axis=-1)
     if estimator == "length_head":
         return length_head_accept_probs(draft.length_r_B, draft.block_size)
     return draft.head_accept_BxKm1.astype(jnp.float32)
@@ -103,15 +84,10 @@ class GoodputState:
     pending_BxUxnD: jax.Array  # undrafted steps' target features not yet in the context
     pending_B: jax.Array  # int32 positions held per row
 
-    def fresh_request_estimate(self) -> jax.Array:
-        """A request's estimate before its first drafter forward [K−1]: the prior, 1
-        (drafting pays) before any forward."""
-        return jnp.where(self.prior_Km1 < 0, 1.0, self.prior_Km1)
-
     def refreshed(self, a_BxKm1: jax.Array, active_B: jax.Array) -> GoodputState:
-        """The state after a drafter forward estimated `a_BxKm1`: the active rows' estimates,
-        and the prior, an EMA of their mean set to that mean by the first forward (starting
-        fresh requests at 1 would force a draft on admission even where drafting never pays)."""
+        """After a drafter forward estimated `a_BxKm1`: the active rows' estimates, and the
+        prior, an EMA of their mean that the first forward sets to it (starting fresh
+        requests at 1 would force a draft on admission even where drafting never pays)."""
         n = jnp.sum(active_B)
         mean_Km1 = jnp.sum(jnp.where(active_B[:, None], a_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
         ema_Km1 = (1.0 - PRIOR_RATE) * self.prior_Km1 + PRIOR_RATE * mean_Km1
@@ -131,9 +107,8 @@ class GoodputPolicy:
     cost: VerifyCostTable
     estimator: str = "confidence"
     skip_draft: bool = True
-    # Undrafted steps between probes. None: as many as keep a probe's cost (the table's probe
-    # time, else its draft time) within `probe_overhead` of the plain steps' time, capped at
-    # `max_probe_every`.
+    # Undrafted steps between probes. None: as many as keep a probe's cost (the table's draft
+    # time) within `probe_overhead` of the plain steps' time, capped at `max_probe_every`.
     probe_every: int | None = None
     probe_overhead: float = 0.05
     max_probe_every: int = 64
@@ -186,10 +161,9 @@ class GoodputPolicy:
             )
 
     def init(self, slots: Slots, previous: GoodputState | None = None):
-        """Nothing without the skip arm. With it, a new state starts from what an earlier
-        call learnt (`previous`: its prior and engine-wide γ, unless it learnt nothing or
-        something non-finite); then its first probe waits for the interval instead of
-        coming at once."""
+        """Nothing without the skip arm. With it, from what an earlier call learnt (`previous`:
+        its prior and engine-wide γ, unless nothing or non-finite); then the first probe
+        waits for the interval instead of coming at once."""
         if not self.skip_draft:
             return ()
         b, km1 = slots.count, slots.block_size - 1
@@ -200,14 +174,13 @@ class GoodputPolicy:
                 raise ValueError(f"previous state has {p.size} positions, not K - 1 = {km1}")
             learnt = bool(p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg))
             prior, log_gamma = (p, lg) if learnt else (prior, log_gamma)
-        zeros_B = jnp.zeros((b,), jnp.int32)
         return GoodputState(
             est_BxKm1=jnp.ones((b, km1), jnp.float32),
             prior_Km1=jnp.asarray(prior, jnp.float32),
             log_gamma_B=jnp.zeros((b,), jnp.float32),
             log_gamma=jnp.asarray(log_gamma, jnp.float32),
             probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
-            probe_at_B=zeros_B,
+            probe_at_B=jnp.zeros((b,), jnp.int32),
             probe_live_B=jnp.zeros((b,), bool),
             undrafted=jnp.zeros((), jnp.int32),
             # 0: the first undrafted loop probes at once; 1: its entry sets the interval
@@ -218,24 +191,30 @@ class GoodputPolicy:
             pending_B=jnp.zeros((b,), jnp.int32),
         )
 
+    def _tokens_per_ms(self, a_BxKm1, log_gamma, active_B, buckets, extra_ms=0.0):
+        """Expected committed tokens per ms of a drafted step at each bucket [NW], summed over
+        the active rows."""
+        gain_BxNW = expected_committed(a_BxKm1, buckets, log_gamma)
+        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
+        num_running = jnp.sum(active_B.astype(jnp.int32))
+        return total_NW / (self.cost.step_ms(num_running, buckets) + extra_ms)
+
     def widths(self, draft: Draft, state):
         a_BxKm1 = accept_probs(draft, self.estimator)
         log_gamma = state.log_gamma_B if self.skip_draft else 0.0
-        gain_BxNW = expected_committed(a_BxKm1, draft.buckets, log_gamma)
-        total_NW = jnp.sum(jnp.where(draft.active_B[:, None], gain_BxNW, 0.0), axis=0)
-        best = jnp.argmax(total_NW / self.cost.step_ms(draft.num_running, draft.buckets))
+        best = jnp.argmax(self._tokens_per_ms(a_BxKm1, log_gamma, draft.active_B, draft.buckets))
         width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
         return width_B, state.refreshed(a_BxKm1, draft.active_B) if self.skip_draft else state
 
     def observe(self, outcome: Outcome, state):
-        """Admitted rows start from the engine-wide estimate and γ (their deferred context
-        and probe are of the old request); verified rows' realised acceptance calibrates
-        their estimates."""
+        """Admitted rows start from the engine-wide estimate (1 before any drafter forward)
+        and γ (their deferred context and probe are of the old request); verified rows'
+        realised acceptance calibrates their estimates."""
         if not self.skip_draft:
             return state
         if outcome.started_B is not None:
             new_B = outcome.started_B
-            fresh_Km1 = state.fresh_request_estimate()
+            fresh_Km1 = jnp.where(state.prior_Km1 < 0, 1.0, state.prior_Km1)
             state = state.replace(
                 est_BxKm1=jnp.where(new_B[:, None], fresh_Km1, state.est_BxKm1),
                 log_gamma_B=jnp.where(new_B, state.log_gamma, state.log_gamma_B),
@@ -257,28 +236,25 @@ class GoodputPolicy:
     # ---- the skip arm's decisions (skip.py asks them between steps) ----------------------
     def _rates(self, state, active_B, buckets, switching: bool):
         """(best drafted, plain) expected committed tokens per ms over the active rows."""
+        extra_ms = self.cost.switch_ms / self.switch_horizon if switching else 0.0
+        drafted_NW = self._tokens_per_ms(
+            state.est_BxKm1, state.log_gamma_B, active_B, buckets, extra_ms
+        )
         num_running = jnp.sum(active_B.astype(jnp.int32))
-        gain_BxNW = expected_committed(state.est_BxKm1, buckets, state.log_gamma_B)
-        total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
-        drafted_ms_NW = self.cost.step_ms(num_running, buckets)
-        if switching:
-            drafted_ms_NW = drafted_ms_NW + self.cost.switch_ms / self.switch_horizon
-        plain_rate = num_running / self.cost.verify_step_ms(num_running, (1,))[0]
-        return jnp.max(total_NW / drafted_ms_NW), plain_rate
+        return jnp.max(drafted_NW), num_running / self.cost.verify_step_ms(num_running, (1,))[0]
 
     def speculate(self, state, active_B, *, buckets, switching: bool):
-        """Whether the next step drafts (bool scalar): the best expected committed tokens per
-        ms of draft + verify, from the rows' latest estimates, beats a plain width-1 step.
-        `switching`: asked from the undrafted program, where drafting first costs a host
-        switch of programs (the table's `switch_ms`); the step is charged its share over
-        `switch_horizon` drafted steps, so marginal gains do not flip programs back and
-        forth (charging one step the whole switch kept goodput from ever drafting)."""
+        """Whether the next step drafts (bool scalar): drafting's best expected tokens per ms,
+        from the rows' latest estimates, beats a plain step. From the undrafted program
+        (`switching`) each drafted step is charged its share of the host switch over
+        `switch_horizon` steps, so marginal gains do not flip programs back and forth
+        (charging one step the whole switch kept goodput from ever drafting)."""
         drafted_rate, plain_rate = self._rates(state, active_B, buckets, switching)
         return drafted_rate > plain_rate
 
     def drafting_gain(self, state, active_B, *, buckets):
-        """Best drafted rate / plain rate as seen from the undrafted program (the switch
-        included): > 1 where it would start drafting (float32 scalar; 0 with no active row)."""
+        """Best drafted / plain rate from the undrafted program (switch included): > 1 where it
+        would start drafting (float32 scalar; 0 with no active row)."""
         drafted, plain = self._rates(state, active_B, buckets, True)
         return jnp.where(plain > 0, drafted / jnp.maximum(plain, 1e-9), 0.0)
 
@@ -290,13 +266,13 @@ class GoodputPolicy:
         return self.interval_at_gain(gain, jnp.sum(active_B.astype(jnp.int32)))
 
     def interval_at_gain(self, gain, num_running) -> jax.Array:
-        """A probe is one drafter forward without a verify: its cost is the table's probe
-        time, else its draft time. The base interval keeps probes within `probe_overhead` of
-        the plain steps' time; it is scaled by 2·(1 − gain), clipped to [1/8, 2]: a row set
-        where drafting nearly pays is probed up to 8x as often (each graded probe also
-        calibrates the estimates), one far from it half as often."""
+        """A probe is one drafter forward without a verify (the table's draft time). The base
+        interval keeps probes within `probe_overhead` of the plain steps' time; it is scaled by
+        2·(1 − gain), clipped to [1/8, 2]: a row set where drafting nearly pays is probed up to
+        8x as often (each graded probe also calibrates the estimates), one far from it half as
+        often."""
         plain_ms = self.cost.verify_step_ms(num_running, (1,))[0]
-        probe_ms = self.cost.probe_step_ms(num_running)
+        probe_ms = self.cost.draft_step_ms(num_running)
         urgency = jnp.clip(2.0 * (1.0 - gain), 1.0 / 8.0, 2.0)
         steps = jnp.ceil(urgency * probe_ms / (self.probe_overhead * plain_ms))
         return jnp.clip(steps, 1, self.max_probe_every).astype(jnp.int32)

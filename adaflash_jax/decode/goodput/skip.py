@@ -3,28 +3,21 @@
 Dimensions: B slots, K block size, U deferred context positions, nD concatenated target
 features, S output buffer length.
 
-- The drafted program (`drafted_loop`) runs the engine's drafted steps while the policy
-  says drafting pays (`GoodputPolicy.speculate`), after bringing the drafter context up to
-  date and grading the latest probe.
-- The undrafted program (`undrafted_loop`) runs plain decoding steps that also keep the
-  drafter context's inputs: recorded as requested width 0. It refreshes the rows'
-  estimates every `probe_interval` steps with a probe (one drafter forward, no verify),
-  between runs of steps, and leaves when drafting pays again. It asks the policy only
-  between runs (after a probe, a flush or a finished row): nothing the decision reads
-  changes within a run, and asking in every step's loop check costs the undrafted step.
-Each program exits when the policy wants the other, and the host switches programs, so no
-step pays for a conditional around the drafter (nor for the cache copies XLA makes around
-conditionally updated buffers).
+`drafted_loop` runs drafted steps while the policy says drafting pays (after bringing the
+drafter context up to date and grading the latest probe). `undrafted_loop` runs plain steps
+(requested width 0) with a probe (one drafter forward, no verify) every `probe_interval`
+steps to refresh the rows' estimates; it asks the policy only between runs of steps (after
+a probe, a flush or a finished row): nothing the decision reads changes within a run, and
+asking in every step's loop check costs the undrafted step. Each program exits when the
+policy wants the other and the host switches, so no step pays for a conditional around the
+drafter (nor for the cache copies XLA makes around conditionally updated buffers).
 
-Undrafted steps defer the drafter context: each parks its committed token's target
-features in a buffer of U positions per row, so `context_cache.lengths + pending_B ==
-target_cache.lengths`; the buffer is projected into the context in one batched pass
-(`flush`) when the drafted program starts, before a probe, and whenever it fills (one pass
-per U steps amortises the projection's fixed costs).
-
-A probe is graded after the fact: its greedy drafts against the tokens the following
-undrafted steps commit, which in greedy decoding are exactly what verifying it would have
-accepted; the outcome calibrates the row's estimates (`calibration.py`).
+Undrafted steps defer the drafter context: each parks its token's target features in a
+buffer of U positions per row (`context_cache.lengths + pending_B == target_cache.lengths`),
+projected into the context in one batched pass (`flush`) when the drafted program starts,
+before a probe, and when it fills (one pass per U steps amortises its fixed costs). A probe
+is graded after the fact: its greedy drafts against the tokens the next undrafted steps
+commit (in greedy decoding, exactly what verifying it would have accepted).
 """
 
 from __future__ import annotations
@@ -40,15 +33,16 @@ from adaflash_jax.decode.step import admit, counting, drafted_step, may_continue
 UNDRAFTED, DRAFTED = 0, 1  # program indices: GoodputPolicy.programs
 
 
-def wants_draft(s, spec, *, switching: bool):
+def wants_draft(s, spec, switching: bool):
+    """Whether the policy drafts next; `switching`: asked from the undrafted program."""
     return spec.policy.speculate(
         s.policy_state, ~s.done_B, buckets=spec.buckets, switching=switching
     )
 
 
 def undrafted_step(target, s, spec):
-    """A plain decoding step whose committed token's features wait in the pending buffer
-    (the caller keeps it from overflowing)."""
+    """A plain step whose token's features wait in the pending buffer (the caller keeps it
+    from overflowing)."""
     active_B = ~s.done_B
     s, features_Bx1xnD = plain_step(target, s, spec, requested=0)
     p = s.policy_state
@@ -72,8 +66,8 @@ def pending_full(s) -> jax.Array:
 
 def flush(drafter, s, when=True):
     """Projects every row's pending features into the drafter context (one batched pass over
-    U positions; entries past a row's count are written but stay masked), when any wait and
-    `when` (a bool scalar) holds. Only what the flush changes passes the conditional."""
+    U positions; entries past a row's count are written but stay masked) when any wait and
+    `when` holds. Only what the flush changes passes the conditional."""
     p = s.policy_state
 
     def project():
@@ -87,8 +81,8 @@ def flush(drafter, s, when=True):
 
 
 def grade_probe(s, spec):
-    """Feeds the latest probe's outcome (its drafts against the tokens committed since) to
-    the policy, before anything replaces the estimates it was made with."""
+    """Feeds the latest probe's outcome to the policy, before anything replaces the
+    estimates it was made with."""
     p = s.policy_state
     realised_B, width_B, graded_B = probe_outcome(
         p.probe_drafts_BxKm1, p.probe_at_B, p.probe_live_B, s.out_BxS, s.num_out_B
@@ -100,8 +94,7 @@ def grade_probe(s, spec):
 
 def probe(target, drafter, s, spec):
     """Refreshes the rows' estimates from one drafter forward without verifying, after
-    grading the previous probe. The context must be current (flushed). Reads committed
-    tokens only, so decoding stays lossless."""
+    grading the previous probe; the context must be current (flushed)."""
     s = grade_probe(s, spec)
     d = draft(target, drafter, s, spec)
     _, p = spec.policy.widths(d, s.policy_state)
@@ -143,20 +136,18 @@ def undrafted_loop(target, drafter, s, spec, stop_on_finish, max_steps):
         finished0 = carry[2]
 
         def more(c):
-            s = c[0]
             ok = may_continue(c, stop_on_finish, max_steps) & (c[2] == finished0)
-            return ok & ~pending_full(s) & ~_probe_due(s)
+            return ok & ~pending_full(c[0]) & ~_probe_due(c[0])
 
         s, it, finished = jax.lax.while_loop(more, step, carry)
         return _between_runs(target, drafter, s, spec), it, finished
 
     def undrafted(c):
-        s = c[0]
-        return may_continue(c, stop_on_finish, max_steps) & ~wants_draft(s, spec, switching=True)
+        return may_continue(c, stop_on_finish, max_steps) & ~wants_draft(c[0], spec, True)
 
     carry = (_between_runs(target, drafter, admit(s, spec), spec), jnp.int32(0), jnp.int32(0))
     s, steps, finished = jax.lax.while_loop(undrafted, run, carry)
-    return s, steps, finished, _next(s, spec, switching=True)
+    return s, steps, finished, _next(s, spec, True)
 
 
 def drafted_loop(target, drafter, s, spec, stop_on_finish, max_steps):
@@ -165,13 +156,12 @@ def drafted_loop(target, drafter, s, spec, stop_on_finish, max_steps):
     s = grade_probe(flush(drafter, admit(s, spec)), spec)
 
     def drafting(c):
-        s = c[0]
-        return may_continue(c, stop_on_finish, max_steps) & wants_draft(s, spec, switching=False)
+        return may_continue(c, stop_on_finish, max_steps) & wants_draft(c[0], spec, False)
 
     step = counting(lambda s: drafted_step(target, drafter, s, spec))
     s, steps, finished = jax.lax.while_loop(drafting, step, (s, jnp.int32(0), jnp.int32(0)))
-    return s, steps, finished, _next(s, spec, switching=False)
+    return s, steps, finished, _next(s, spec, False)
 
 
-def _next(s, spec, *, switching: bool):
-    return jnp.where(wants_draft(s, spec, switching=switching), DRAFTED, UNDRAFTED)
+def _next(s, spec, switching: bool):
+    return jnp.where(wants_draft(s, spec, switching), DRAFTED, UNDRAFTED)

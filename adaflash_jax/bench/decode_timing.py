@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from adaflash_jax.bench.step_cost import engine_table
 from adaflash_jax.decode.build import build_engine
 from adaflash_jax.decode.slots import SpeculativeEngine
 
@@ -93,13 +94,20 @@ def time_speculative(
     capacity: int,
     repeats: int = 1,
     eos_ids: Sequence[int] = (),
+    policy="fixed",
+    policy_kwargs: dict | None = None,
+    cost_table=None,
     **engine_kw,
 ) -> dict:
-    """Speculative decoding through the slots with the `build_engine` options in
-    `engine_kw` (policy by name or object, cost_table, buckets, temperature, ...)."""
-    engine = build_engine(
-        target, drafter, slots=slots, capacity=capacity, eos_ids=eos_ids, **engine_kw
-    )
+    """Speculative decoding through the slots with the `build_engine` options (policy by
+    name or object, `policy_kwargs`, `cost_table`) and engine settings in `engine_kw`
+    (buckets, temperature, ...); goodput without a cost table measures its engine's
+    (`step_cost.engine_table`, cached)."""
+    kw = dict(slots=slots, capacity=capacity, eos_ids=eos_ids, **engine_kw)
+    if policy == "goodput" and cost_table is None:
+        cost_table = engine_table(target, drafter, policy_kwargs=policy_kwargs, **kw)
+    options = dict(policy=policy, policy_kwargs=policy_kwargs, cost_table=cost_table)
+    engine = build_engine(target, drafter, **options, **kw)
     results, wall, warmup, loop_steps = _timed(engine, list(requests), repeats)
     row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
     if drafter is None:

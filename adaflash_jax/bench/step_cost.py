@@ -6,7 +6,7 @@ For each row count B it builds the engine and times `programs.run_loop`, the pro
 runs, with the spec pinned to one bucket W (every row verifies W tokens a step, as
 `aot/decode_programs.py` compiles it for the TPU estimates), the plain engine's loop (no
 drafter), and the drafter's block forward. `table_from_steps` turns those into the table
-(`cost_table.py`), for the timings here and for the TPU compiler estimates alike:
+(`decode/cost_table.py`), for the timings here and for the TPU compiler estimates alike:
 
     verify_ms[W=1] = step(plain)          draft_ms = draft forward
     verify_ms[W]   = step(drafted at W) − draft_ms      (so draft + verify[W] is that step)
@@ -16,7 +16,8 @@ where step(p) = (call(p, n steps) − call(p, 1 step)) / (n − 1): a call's own
 (dispatch, the loop's entry, the host fetch) cancels instead of being charged to every step.
 Every case is timed once per round, rounds interleaved (a machine whose speed drifts slows all
 cases alike), after one compiling round; a case's cost is its fastest round (interference
-only ever adds time). `load_or_measure` caches a table per device, models and settings under
+only ever adds time). `engine_table` measures the table of one goodput engine for
+`decode.build.build_engine`, cached per device, models and settings under
 `~/.cache/adaflash_jax/verify_cost/` (override: `cache_dir=` or $ADAFLASH_CACHE).
 """
 
@@ -35,16 +36,11 @@ from flax import nnx
 
 from adaflash_jax.decode import programs
 from adaflash_jax.decode.cost_table import VerifyCostTable
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import FixedPolicy
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 
 KIND = "engine-loop/1"  # bump when the step program changes: cached tables go stale
-
-
-def unit_table(slots: int, widths: tuple[int, ...]) -> VerifyCostTable:
-    """Every width costs the same: goodput's table before anything is measured."""
-    n = len(widths)
-    return VerifyCostTable(rows=(slots,), widths=widths, verify_ms=((1.0,) * n,), draft_ms=(0.0,))
 
 
 def pinned_spec(engine: SpeculativeEngine, width: int):
@@ -202,12 +198,25 @@ def cache_path(target, drafter, *, rows, cache_dir: str | None = None, **setting
     return os.path.join(cache_dir or os.path.join(base, "verify_cost"), name)
 
 
-def load_or_measure(target, drafter, *, rows, cache_dir: str | None = None, **settings):
-    """The cached table for this device, models, rows and settings (`measure`'s keywords),
-    else a fresh measurement (then cached)."""
-    path = cache_path(target, drafter, rows=rows, cache_dir=cache_dir, **settings)
+def engine_table(
+    target, drafter, *, policy_kwargs: dict | None = None, cache_dir: str | None = None, **engine_kw
+) -> VerifyCostTable:
+    """The table of the goodput engine `build_engine(target, drafter, policy="goodput",
+    policy_kwargs=..., **engine_kw)` builds: the cached one for this device, models and
+    settings, else a fresh measurement (then cached). The engine's settings and goodput's
+    options are checked first, on a flat table, before any compute."""
+    k = max(engine_kw.get("block_size") or drafter.config.block_size, 1)
+    flat = VerifyCostTable(
+        rows=(1,), widths=range(1, k + 1), verify_ms=((1.0,) * k,), draft_ms=(0,)
+    )
+    policy = GoodputPolicy(cost=flat, **(policy_kwargs or {}))
+    e = SpeculativeEngine(target, drafter, **engine_kw, policy=policy)
+    settings = dict(
+        capacity=e.capacity, buckets=e.buckets, temperature=e.temperature, top_p=e.top_p
+    )
+    path = cache_path(e.target, e.drafter, rows=(e.slots,), cache_dir=cache_dir, **settings)
     if os.path.isfile(path):
         return VerifyCostTable.load(path)
-    table = measure(target, drafter, rows=rows, **settings)
+    table = measure(e.target, e.drafter, rows=(e.slots,), **settings)
     table.save(path)
     return table
