@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     from adaflash_jax.bench import inputs, report
     from adaflash_jax.bench import throughput_bench as tb
-    from adaflash_jax.decode.cost_table import VerifyCostTable
+    from adaflash_jax.io.cost_table import VerifyCostTable
 
     try:
         if a.micro:

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     from adaflash_jax.bench import cost_model as cm
     from adaflash_jax.bench import projection as pj
-    from adaflash_jax.decode.cost_table import VerifyCostTable
+    from adaflash_jax.io.cost_table import VerifyCostTable
 
     try:
         acceptance = pj.load_acceptance(a.traces, domain=a.domain)

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from adaflash_jax.bench import throughput_bench as tb
-from adaflash_jax.decode.cost_table import VerifyCostTable
+from adaflash_jax.io.cost_table import VerifyCostTable
 from experiments import benchmark, project_throughput
 
 REQUIRED = ("method", "policy", "concurrency", "domain", "tokens_per_s", "tau",

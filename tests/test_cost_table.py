@@ -16,12 +16,12 @@ from flax import nnx
 from adaflash_jax.bench import cost_model as cm
 from adaflash_jax.bench import step_cost
 from adaflash_jax.decode.build import build_engine
-from adaflash_jax.decode.cost_table import FORMAT, VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import Draft, PolicyError, Slots
 from adaflash_jax.decode.slots import EngineError
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.io.cost_table import FORMAT, VerifyCostTable
 from adaflash_jax.model.target import TargetLM
 from experiments import project_throughput
 

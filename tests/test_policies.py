@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from adaflash_jax.decode.build import make_policy
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput import calibration
 from adaflash_jax.decode.goodput.policy import (
     GoodputPolicy,
@@ -18,6 +17,7 @@ from adaflash_jax.decode.goodput.policy import (
     length_head_accept_probs,
 )
 from adaflash_jax.decode.policy import AdaFlashPolicy, Draft, FixedPolicy, PolicyError, Slots
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 K = 8
 BUCKETS = (1, 2, 4, 8)

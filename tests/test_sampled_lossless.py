@@ -18,13 +18,13 @@ from doubles import DraftEveryNth, always_accept
 from flax import nnx
 
 from adaflash_jax.decode import acceptance
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 

@@ -10,7 +10,6 @@ import pytest
 from doubles import DraftEveryNth, TableDrafter, WobblePolicy
 from flax import nnx
 
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
@@ -21,6 +20,7 @@ from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.decode.step import admit
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM

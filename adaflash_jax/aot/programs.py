@@ -9,7 +9,7 @@ TRAIN_RULES as the run shards them.
 `serve_programs(...)`: decoding with tensor-parallel weights (DECODE_RULES, mesh
 (1, 1, chips)): per row count B the engine's plain step, the drafter forward and the drafted
 step at each width — the verify-step table `cost_table` turns into a goodput / projection
-cost table (`decode/cost_table.py`).
+cost table (`io/cost_table.py`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from adaflash_jax.aot.program import Program
 from adaflash_jax.aot.report import LABEL, Figures
 from adaflash_jax.aot.train_programs import train_programs
 from adaflash_jax.bench.step_cost import table_from_steps
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS
 from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.plan.inputs import engine_capacity
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
 
@@ -99,7 +99,7 @@ def serve_programs(
 
 
 def cost_table(figs: list[Figures], *, device: str, model: str) -> VerifyCostTable:
-    """The cost table (`decode/cost_table.py`) from the serve programs' estimates, decomposed as
+    """The cost table (`io/cost_table.py`) from the serve programs' estimates, decomposed as
     the timed tables are (`bench/step_cost.table_from_steps`): verify[1] is the plain step,
     draft the drafter's block forward, and verify[W] = drafted step at W − draft. (A drafted
     step pinned to W = 1 verifies no draft, so XLA drops its drafter forward: it is not

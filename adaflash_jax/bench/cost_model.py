@@ -2,7 +2,7 @@
 from whatever measurements exist, every filled cell explained.
 
 Inputs (several may be merged; a later file's cell replaces an earlier one): cost tables
-(`decode/cost_table.py`, from `bench.step_cost` or a TPU compile), and, read as they are,
+(`io/cost_table.py`, from `bench.step_cost` or a TPU compile), and, read as they are,
 the bare-forward timing rows of `experiments.benchmark_forward` / `benchmark_decode --shape`
 ({"rows": [{batch, width, median_ms}], optional "draft_rows": [{batch, median_ms}]}: the
 committed H200 measurements in benchmarks/h200/).
@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from adaflash_jax.decode.cost_table import VerifyCostTable
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 # docs/design.md §7: a 5-layer DFlash-shaped drafter (Qwen3-8B widths) over 16 block tokens, context
 # 1024, one H200, naive jnp forward; median ms per batch size.

@@ -6,7 +6,7 @@ For each row count B it builds the engine and times `programs.run_loop`, the pro
 runs, with the spec pinned to one bucket W (every row verifies W tokens a step, as
 `aot/decode_programs.py` compiles it for the TPU estimates), the plain engine's loop (no
 drafter), and the drafter's block forward. `table_from_steps` turns those into the table
-(`decode/cost_table.py`), for the timings here and for the TPU compiler estimates alike:
+(`io/cost_table.py`), for the timings here and for the TPU compiler estimates alike:
 
     verify_ms[W=1] = step(plain)          draft_ms = draft forward
     verify_ms[W]   = step(drafted at W) − draft_ms      (so draft + verify[W] is that step)
@@ -35,10 +35,10 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.decode import programs
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import FixedPolicy
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 KIND = "engine-loop/1"  # bump when the step program changes: cached tables go stale
 

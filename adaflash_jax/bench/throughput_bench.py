@@ -40,7 +40,6 @@ import numpy as np
 from adaflash_jax.bench.decode_timing import summarize
 from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.decode.build import build_engine
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import (
     DEFAULT_BUCKETS,
@@ -49,6 +48,7 @@ from adaflash_jax.decode.slots import (
     has_accept_output,
 )
 from adaflash_jax.decode.state import bucket_set
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 CPU_CONCURRENCY = (1, 4, 16, 64)
 GPU_CONCURRENCY = (1, 32, 64, 128)

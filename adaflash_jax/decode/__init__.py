@@ -2,6 +2,7 @@
 (docs/design.md §5), outside in: `slots.py` (host scheduler, `SpeculativeEngine`),
 `programs.py` (jitted entry points), `step.py` (one step, the drafted loop), `drafting.py` /
 `verify.py` / `acceptance.py` (its parts), `state.py` (state, static spec), `policy.py`
-(length policies: the protocol, fixed, adaflash), `goodput/`, `cost_table.py` (goodput's
-step costs), `build.py` (engines and policies by name), `tokens.py` (sampling, committing).
+(length policies: the protocol, fixed, adaflash), `goodput/` (reads its step costs from
+`io/cost_table.py`), `build.py` (engines and policies by name), `tokens.py` (sampling,
+committing).
 """

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, LengthPolicy, PolicyError
 from adaflash_jax.decode.slots import SpeculativeEngine
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 POLICY_NAMES = ("fixed", "adaflash", "goodput")
 

@@ -12,9 +12,9 @@ loss chunks of 32) are the 8B recipe's (the reference runs the same pipeline scr
 targets): this file is `qwen3_8b_v5p.get_config()` with the target and the drafter replaced.
 
 Mesh: weights FSDP-sharded over 8 chips (whole experts per chip: 16 of the 128), the rest
-data parallel; each chip routes its own rows' tokens (`model/moe.py`). Compile-check it without a TPU:
-`python -m experiments.tpu_compile --config experiments/configs/qwen3_coder_30b_a3b_v5p.py
---topology v5p-64` (BENCHMARKS.md §6.2).
+data parallel; each chip routes its own rows' tokens (`model/moe.py`). Compile-check it
+without a TPU: `python -m experiments.tpu_compile --config
+experiments/configs/qwen3_coder_30b_a3b_v5p.py --topology v5p-64` (BENCHMARKS.md §6.2).
 """
 
 import dataclasses

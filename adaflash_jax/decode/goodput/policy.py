@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from adaflash_jax.decode.cost_table import VerifyCostTable
 from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
 from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
+from adaflash_jax.io.cost_table import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
