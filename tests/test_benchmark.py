@@ -35,6 +35,7 @@ def test_micro_benchmark_end_to_end(tmp_path, capsys):
     ).save(cost)
     argv = ["--micro", "--out", str(out), "--concurrency", "1,2", "--buckets", "1,2,4"]
     argv += ["--cost-table", str(cost), "--adaflash-threshold", "1"]  # the rule acts at c=2
+    argv += ["--repeats", "1"]  # warm-up, then one timed pass (still checked compile-free)
     assert benchmark.main(argv) == 0
     assert "plain" in capsys.readouterr().out
 

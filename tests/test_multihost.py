@@ -85,8 +85,8 @@ def _launch_pair(root, name: str, args: list[str], reference):
     """Two workers (`args` + their process ids) while `reference()` runs in this process;
     returns (reference's result, worker logs). Fails with both workers' output on error."""
     port = _free_port()
+    # os.environ carries conftest's XLA_FLAGS (faster XLA:CPU compiles) to the workers
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     logs, procs, codes = [], [], ["not started"] * 2
     try:
         for i in range(2):

@@ -23,8 +23,8 @@ def _pair(run_dir, *extra):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # os.environ carries conftest's XLA_FLAGS (faster XLA:CPU compiles) to the workers
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, run_dir, str(i), str(port), *extra],
