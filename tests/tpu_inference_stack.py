@@ -195,12 +195,12 @@ class TpuInferenceDrafter:
         model = model_loader._get_nnx_model(
             DFlashForCausalLM, self.vllm_config, jax.random.key(0), self.mesh, is_draft_model=True
         )
-        self.rope = [(a.rope_theta, a.rope_scaling) for a in _attentions(model)]
         if patch_rope:
             fresh = transformers.AutoConfig.from_pretrained(drafter_dir)
             for attn in _attentions(model):
                 attn.rope_theta = get_rope_theta(fresh, 1_000_000.0)
                 attn.rope_scaling = get_rope_scaling(fresh)
+        self.rope = [(a.rope_theta, a.rope_scaling) for a in _attentions(model)]  # as used
         model.model.embed_tokens.embedding.set_value(embedding_VxD.astype(jnp.bfloat16))
         model.lm_head.weight.set_value(lm_head_DxV.astype(jnp.bfloat16))
         self.graphdef, state = nnx.split(model)
