@@ -133,6 +133,19 @@ def run_prompts(root, target, patch_rope):
     return agree, proposed, theirs.rope[0], gaps
 
 
+def default_scaling_error(positions=(5, 100, 500, 5000)):
+    """What the default-factor scaling does to RoPE itself: max |rotated(dict) − rotated(None)|
+    of an all-ones head (dim 128, θ 1e6) at each position, in the wheel's `apply_rope`."""
+    from tpu_inference.layers.jax.rope_interface import apply_rope
+
+    x = jnp.ones((len(positions), 1, 128))
+    pos = jnp.array(positions)
+    params = {"rope_theta": 1e6, "rope_type": "default"}  # what `rope_scaling` returns
+    diff = apply_rope(x, pos, 128, 1e6, params) - apply_rope(x, pos, 128, 1e6, None)
+    errors = np.abs(np.asarray(diff)).max(axis=(1, 2)).round(4).tolist()
+    return dict(zip(map(str, positions), errors, strict=True))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", help="write the results as JSON here too")
@@ -141,6 +154,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"tpu-inference wheel not found in {tpu.WHEEL_DIR}: {tpu.INSTALL}")
     results = {}
     with tpu.stub_imports():
+        rope_error = default_scaling_error()
+        print("rope error of the default scaling by position", rope_error, flush=True)
         for name, case in CASES.items():
             with tempfile.TemporaryDirectory() as root:
                 target, notes = build(root, case)
@@ -161,7 +176,12 @@ def main(argv=None) -> int:
                 print(name, json.dumps(row, default=str), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"tpu_inference": TPU_INFERENCE, "cases": results}, f, indent=2, default=str)
+            summary = {
+                "tpu_inference": TPU_INFERENCE,
+                "default_scaling_rope_error_by_position": rope_error,
+                "cases": results,
+            }
+            json.dump(summary, f, indent=2, default=str)
     return 0
 
 
