@@ -60,6 +60,7 @@ def _check_export(path):
     drafter = load_drafter(path)
     assert drafter.length_head is not None and drafter.config.block_size == 4
     assert drafter.length_head.has_accept_output  # DraftSpec.accept_dim defaults to 64
+    assert load_drafter(os.path.join(path, "dflash")).length_head is None  # plain layout
 
 
 def test_full_micro_pipeline(micro):

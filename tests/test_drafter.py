@@ -1,5 +1,7 @@
 """Drafter: block masks, serving path == training path, length head, feature-layer defaults."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +131,93 @@ def test_drafter_config_rejects_bad_fields():
     shallow = TargetConfig(**{**TARGET.__dict__, "num_hidden_layers": 3})
     with pytest.raises(ConfigError, match="layer"):
         cfg.validate_against(shallow)
+
+
+# ---- sliding-window layers (issue 27) ---------------------------------------------------------
+WINDOW = 5  # shorter than the contexts below, at least the block (4)
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    """A drafter whose first layer is sliding (window 5) and second full, reading 8 target
+    layers; its target."""
+    target_cfg = target_preset("test", vocab_size=96, num_hidden_layers=10)
+    cfg = DrafterConfig.for_target(
+        target_cfg,
+        mask_token_id=95,
+        num_layers=2,
+        block_size=4,
+        num_features=8,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=WINDOW,
+    )
+    return TargetLM(target_cfg, rngs=nnx.Rngs(0)), Drafter(cfg, rngs=nnx.Rngs(2))
+
+
+def test_window_masks_see_only_keys_inside_the_window():
+    # block anchored at 6, window 5: position k (at 6 + k) sees context keys > 1 + k, < 6
+    m = np.asarray(masks.decode_mask(jnp.array([6]), 8, block_size=2, window=5)).astype(int)
+    assert m[0].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]]
+    # the gathered view: the W − 1 = 4 slots 2..5, same visibility
+    slots = masks.window_slots(jnp.array([6, 1]), 5)
+    assert slots.tolist() == [[2, 3, 4, 5], [-3, -2, -1, 0]]
+    w = np.asarray(masks.windowed_mask(slots, jnp.array([6, 1]), 2, 5)).astype(int)
+    assert w[0].tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]
+    assert w[1].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]]  # only position 0 exists
+    t = np.asarray(masks.train_mask(jnp.array([[6]]), jnp.array([[True]]), 8, 2, window=5))
+    np.testing.assert_array_equal(t[0, :, :8], m[0, :, :8].astype(bool))
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_windowed_training_blocks_equal_windowed_serving(windowed, attention):
+    """Contexts up to 13 tokens, window 5: every training block (sparse path in chunks of 3
+    context keys, or the dense mask) equals the serving draft, which reads only the 4 cache
+    entries its sliding layer can see."""
+    target, drafter = windowed
+    cfg = drafter.config
+    assert cfg.num_features == 8 and cfg.layer_window(0) == WINDOW and cfg.layer_window(1) is None
+    tokens = jax.random.randint(jax.random.key(7), (2, 16), 0, 90)
+    feats = target(tokens, feature_layers=cfg.target_layer_ids).features_BxTxnD
+    anchors = jnp.array([[13, 2, 8], [6, 11, 0]])
+    hidden = drafter.train_hidden(
+        feats,
+        tokens,
+        anchors,
+        jnp.ones((2, 3), bool),
+        target.embedding_VxD(),
+        attention=attention,
+        attention_chunk=3,
+    )
+    emb, head = target.embedding_VxD(), target.lm_head_DxV()
+    for j in range(anchors.shape[1]):
+        a_B = anchors[:, j]
+        cache = drafter.append_context(drafter.init_context_cache(2, 20), feats, num_new_B=a_B)
+        bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
+        out = drafter.draft(cache, bonus, emb, head)
+        np.testing.assert_allclose(out.hidden_BxKxD, hidden[:, j], atol=1e-5)
+
+
+def test_window_changes_the_draft_only_past_the_window(windowed):
+    """The same weights as full attention: identical while the context fits in the window,
+    different once it does not; with every layer sliding, entries older than the window
+    change nothing."""
+    target, drafter = windowed
+
+    def variant(layer_types):  # same seed, same weights
+        return Drafter(
+            dataclasses.replace(drafter.config, layer_types=layer_types), rngs=nnx.Rngs(2)
+        )
+
+    full, sliding = variant(None), variant(("sliding_attention",) * 2)
+    emb, head = target.embedding_VxD(), target.lm_head_DxV()
+    feats = jax.random.normal(jax.random.key(8), (1, 12, 8 * 32))
+
+    def draft(d, f):
+        cache = d.append_context(d.init_context_cache(1, 16), f)
+        return np.asarray(d.draft(cache, jnp.array([3]), emb, head).logits_BxKm1xV)
+
+    np.testing.assert_allclose(draft(drafter, feats[:, :1]), draft(full, feats[:, :1]), atol=1e-5)
+    assert np.abs(draft(drafter, feats) - draft(full, feats)).max() > 1e-3
+    older = feats.at[:, :8].set(jax.random.normal(jax.random.key(9), (1, 8, 8 * 32)))
+    np.testing.assert_allclose(draft(sliding, older), draft(sliding, feats), atol=1e-5)
+    assert np.abs(draft(drafter, older) - draft(drafter, feats)).max() > 1e-3  # its full layer

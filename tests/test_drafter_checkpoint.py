@@ -20,10 +20,11 @@ from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, save_target
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import write_byte_tokenizer
+from experiments import export as export_cli
 from experiments import init_drafter
 
 TARGET = target_preset("test", vocab_size=64, intermediate_size=48, num_hidden_layers=6)
@@ -78,6 +79,11 @@ def test_export_layout_names_and_config(tmp_path):
     assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
     assert cfg["num_target_layers"] == 6
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    # every key a stack reads, in both places where stacks differ (issue 27)
+    assert cfg["mask_token_id"] == cfg["dflash_config"]["mask_token_id"] == 63
+    assert cfg["target_layer_ids"] == [1, 3] and cfg["is_causal"] is False
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == TARGET.rope_theta
+    assert cfg["rope_parameters"]["rope_type"] == "default" and cfg["rope_scaling"] is None
     # bf16 export reloads to the bf16-rounded weights exactly
     loaded = load_drafter(tmp_path)
     want = np.asarray(_drafter().fc.kernel[...]).astype(jnp.bfloat16).astype(np.float32)
@@ -284,3 +290,140 @@ def test_init_drafter_without_mask_token_names_the_flag_and_candidates(
     assert msg.startswith("error: ") and "\n" not in msg and "pass --mask-token-id ID" in msg
     assert re.search(match, msg), msg
     assert not (tmp_path / "d").exists()
+
+
+# ---- sliding-window drafters, published configs, per-stack exports (issue 27) ---------------
+def _windowed(window=8, head=True):
+    cfg = DrafterConfig.for_target(
+        TARGET,
+        mask_token_id=63,
+        num_layers=3,
+        block_size=4,
+        num_features=8,
+        length_head=head,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        sliding_window=window,
+    )
+    return Drafter(cfg, rngs=nnx.Rngs(0))
+
+
+def test_window_round_trips_with_its_keys(tmp_path):
+    drafter = _windowed()
+    save_drafter(drafter, tmp_path, dtype=None)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert raw["use_sliding_window"] is True and raw["sliding_window"] == 8
+    assert raw["max_window_layers"] == 3 and len(raw["dflash_config"]["target_layer_ids"]) == 8
+    loaded = load_drafter(tmp_path)
+    assert loaded.config == drafter.config and loaded.config.layer_window(2) is None
+
+
+def _published(**changes):
+    """A z-lab Qwen3.5-style DFlash config: sliding layers but the last, rope_parameters θ 1e7,
+    8 target layers (shapes shrunk)."""
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29]},
+        "num_target_layers": 32,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "max_window_layers": 3,
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+        "is_causal": False,
+    }
+    raw.update(changes)
+    return raw
+
+
+def test_published_sliding_window_config_is_honoured():
+    cfg = config_from_hf(_published())
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    assert cfg.sliding_window == 4096 and cfg.rope_theta == 1e7 and cfg.num_features == 8
+    # transformers' rule without layer_types: layers from max_window_layers on slide
+    derived = config_from_hf(_published(layer_types=None, max_window_layers=1))
+    assert derived.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"use_sliding_window": False}, "use_sliding_window"),
+        ({"sliding_window": None}, "sliding_window"),
+        ({"sliding_window": 8}, "sliding_window"),  # below the block (16)
+        (
+            {"layer_types": ["sliding_attention", "linear_attention", "full_attention"]},
+            "layer_types",
+        ),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({"is_causal": True}, "is_causal"),
+        ({"dflash_config": {"mask_token_id": 500, "causal": True}}, "dflash_config.causal"),
+        ({"dflash_config": {"mask_token_id": 500, "use_swa": True}}, "dflash_config.use_swa"),
+        ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_configs_we_cannot_honour_are_refused_naming_the_key(changes, key):
+    with pytest.raises(ConfigError, match=re.escape(key)) as e:
+        config_from_hf(_published(**changes))
+    assert "\n" not in str(e.value)
+
+
+def test_export_for_each_stack(tmp_path, capsys):
+    """--for vllm / tpu-inference / sglang-jax: the plain layout (no head tensors or keys),
+    loaded by ours as plain DFlash with the same weights; the AdaFlash layout keeps the head;
+    each stack's differences print as warning lines."""
+    drafter = _windowed()
+    save_drafter(drafter, tmp_path / "adaflash")
+    assert export_cli.main([str(tmp_path / "adaflash"), "--for", "tpu-inference"]) == 0
+    err = capsys.readouterr().err
+    plain = tmp_path / "adaflash-tpu-inference"
+    assert "warning: tpu-inference 0.32.0" in err and "theta 1e+06" in err
+    assert "runs the sliding_attention layers (window 8) as full attention" in err
+    names = set(SafetensorsFile(plain / "model.safetensors").keys())
+    assert names and not any(n.startswith(HEAD_PREFIX) for n in names)
+    raw = json.loads((plain / "config.json").read_text())
+    assert "use_thresh_head_two_model" not in raw["dflash_config"]
+    assert raw["layer_types"][0] == "sliding_attention"
+    loaded = load_drafter(plain)
+    assert loaded.length_head is None
+    np.testing.assert_array_equal(
+        np.asarray(loaded.fc.kernel[...]),
+        np.asarray(load_drafter(tmp_path / "adaflash").fc.kernel[...]),
+    )
+    assert str(SafetensorsFile(plain / "model.safetensors").dtype("fc.weight")) == "bfloat16"
+    assert (
+        export_cli.main(
+            [str(tmp_path / "adaflash"), "--for", "sglang", "--out", str(tmp_path / "s")]
+        )
+        == 0
+    )
+    assert any(
+        n.startswith(HEAD_PREFIX)
+        for n in SafetensorsFile(tmp_path / "s" / "model.safetensors").keys()
+    )
+    with pytest.raises(SystemExit, match="--out must differ"):
+        export_cli.main([str(tmp_path / "adaflash"), "--out", str(tmp_path / "adaflash")])
+
+
+def test_last_target_layer_is_warned_at_init_and_export(tmp_path, capsys):
+    target = TargetLM(TARGET, rngs=nnx.Rngs(0))
+    save_target(target, tmp_path / "target")
+    argv = ["--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"), "--layers", "2"]
+    init_drafter.main(argv + ["--mask-token-id", "63", "--target-layer-ids", "1,5"])
+    err = capsys.readouterr().err
+    assert "include the target's last layer 5" in err and "tpu-inference feeds the un-normed" in err
+    export_cli.main([str(tmp_path / "d"), "--for", "sglang-jax"])
+    assert "sglang-jax never captures that layer" in capsys.readouterr().err
+    init_drafter.main(argv[:3] + [str(tmp_path / "e")] + argv[4:] + ["--mask-token-id", "63"])
+    assert "last layer" not in capsys.readouterr().err

@@ -176,6 +176,43 @@ def test_drafts_and_ratio_match_ours(setup):
     np.testing.assert_allclose(np.asarray(r), r_t, atol=1e-4, rtol=0)
 
 
+def test_sliding_window_drafts_match_the_torch_reference_past_the_window(setup):
+    """The trained drafter with its first layer made sliding (window 5) through config.json
+    alone: on a 10-token context, longer than the window, both implementations draft the same
+    logits, and those differ from the full-attention drafter's (the window is active)."""
+    root, target = setup["root"], setup["target"]
+    windowed = root / "windowed"
+    windowed.mkdir()
+    (windowed / "model.safetensors").write_bytes(
+        (root / "drafter" / "model.safetensors").read_bytes()
+    )
+    raw = json.loads((root / "drafter" / "config.json").read_text())
+    raw.update(layer_types=["sliding_attention", "full_attention"], use_sliding_window=True)
+    (windowed / "config.json").write_text(json.dumps({**raw, "sliding_window": 5}))
+    tokens = torch.tensor(np.random.default_rng(2).integers(1, V - 1, (2, 10)))
+    bonus = torch.tensor([9, 31])
+    emb = jnp.asarray(target.get_input_embeddings().weight.numpy())
+    head = jnp.asarray(target.get_output_embeddings().weight.numpy().T)
+    with torch.no_grad():
+        feats = ref.target_features(
+            target(tokens, output_hidden_states=True).hidden_states, LAYER_IDS
+        )
+        theirs = _torch_drafter(windowed)
+        want = theirs.draft_logits(
+            theirs(feats, bonus, target.get_input_embeddings()), target.get_output_embeddings()
+        )
+    logits = {}
+    for name in ("windowed", "drafter"):
+        ours = load_drafter(root / name)
+        cache = ours.append_context(ours.init_context_cache(2, 16), jnp.asarray(feats.numpy()))
+        logits[name] = np.asarray(
+            ours.draft(cache, jnp.asarray(bonus.numpy(), jnp.int32), emb, head).logits_BxKm1xV
+        )
+    assert theirs.layers[0].self_attn.window == 5 and theirs.layers[1].self_attn.window is None
+    np.testing.assert_allclose(logits["windowed"], want.numpy(), atol=1e-4, rtol=0)
+    assert np.abs(logits["windowed"] - logits["drafter"]).max() > 1e-2
+
+
 def test_speculative_decoding_driven_by_the_torch_drafter_matches_ours(setup, engine_runs):
     theirs = _torch_drafter(setup["root"] / "drafter")
     for p, want_tokens, want_accepted in zip(setup["prompts"], *engine_runs, strict=True):

@@ -35,6 +35,8 @@ CASES = {
     "K8_chunk8_of_24": (8, 24, 8, 4, 4, [[16, 0, 5], [7, 11, 16]], [[1, 1, 1], [1, 0, 1]]),
     "K16_chunk64_of_40": (16, 40, 64, 4, 1, [[24, 0], [13, 2]], [[1, 1], [0, 1]]),
     "K4_chunk1_of_9": (4, 9, 1, 6, 2, [[5, 1, 2]], [[1, 1, 1]]),
+    # a sliding-window layer (window 6 >= K): each query's context starts past p − 6
+    "K4_chunk5_of_13_window6": (4, 13, 5, 4, 2, [[12, 1, 7], [9, 4, 0]], [[1, 1, 1], [1, 0, 1]], 6),
 }
 
 
@@ -48,15 +50,16 @@ def _inputs(key, b, s, t, h, kv, dh=8):
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_train_attention_equals_dense_mask(case):
-    k, s, chunk, h, kv, anchors, valid = case
+    k, s, chunk, h, kv, anchors, valid, *window = case
+    window = window[0] if window else None
     anchors, valid = jnp.array(anchors, jnp.int32), jnp.array(valid, bool)
     b, n = anchors.shape
     args, cot = _inputs(jax.random.key(n * k + s), b, s, n * k, h, kv)
-    dense = masks.DenseMask(masks.train_mask(anchors, valid, s, k))
+    dense = masks.DenseMask(masks.train_mask(anchors, valid, s, k, window=window))
     context_len = jnp.where(valid, anchors, 0)
 
     def sparse(*a):
-        return train_attention(*a, context_len, chunk=chunk)
+        return train_attention(*a, context_len, chunk=chunk, window=window)
 
     @jax.jit
     def value_and_grads(*a):

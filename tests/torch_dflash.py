@@ -13,6 +13,11 @@ each key's own position; the context skips `input_layernorm` and the MLP. The bl
 bidirectionally to itself and to every context token. The final-normed block states go to
 the TARGET's LM head (positions 1..K−1) and to the two-model thresh head (all K positions).
 
+A `sliding_attention` layer (`config.layer_types`, with `use_sliding_window`) limits every
+query to the keys less than `sliding_window` positions behind it: the flash-attention window
+of `sliding_window − 1` positions each way, non-causal, that z-lab's reference `dflash/model.py`
+passes for those layers (written here from that rule, as an explicit mask).
+
 RoPE here is the plain rotate-half form (no scaling), as the Qwen3-style test exports use.
 It is a `transformers.PreTrainedModel` with the export's tensor names, so `from_pretrained`
 reads an export and `save_pretrained` re-saves it the way PyTorch users do.
@@ -61,10 +66,12 @@ def _rotate(x_BxHxTxDh, pos_T, theta):
 
 
 class Attention(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer):
         super().__init__()
         self.h, self.kv, self.dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.theta = _rope_theta(c)
+        sliding = c.layer_types[layer] == "sliding_attention"
+        self.window = c.sliding_window if sliding else None  # None unless use_sliding_window
         self.q_proj = nn.Linear(c.hidden_size, self.h * self.dh, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.kv * self.dh, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.kv * self.dh, bias=False)
@@ -85,7 +92,11 @@ class Attention(nn.Module):
         q, keys = _rotate(q, pos[c:], self.theta), _rotate(keys, pos, self.theta)
         g = self.h // self.kv
         keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
-        probs = torch.softmax((q @ keys.transpose(-1, -2)).float() * self.dh**-0.5, -1)
+        scores = (q @ keys.transpose(-1, -2)).float() * self.dh**-0.5
+        if self.window is not None:  # key j visible to the query at p iff |p − j| < window
+            far_KxCK = (pos[c:, None] - pos[None, :]).abs() >= self.window
+            scores = scores.masked_fill(far_KxCK, float("-inf"))
+        probs = torch.softmax(scores, -1)
         out = (probs.to(vals.dtype) @ vals).transpose(1, 2).reshape(b, k, -1)
         return self.o_proj(out)
 
@@ -102,10 +113,10 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -139,7 +150,7 @@ class DFlashDraftModel(transformers.PreTrainedModel):
         n_features = len(dflash["target_layer_ids"])
         self.fc = nn.Linear(n_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if dflash.get("use_thresh_head_two_model"):
             self.thresh_head_two_model = ThreshHead(d, dflash["thresh_head_bottleneck_dim"])

@@ -1,7 +1,10 @@
-"""Drafter export: sharded training params → one HF DFlash/AdaFlash directory (process 0).
+"""Drafter export: sharded training params → HF DFlash/AdaFlash directories (process 0).
 
 `save_drafter` writes local and gs:// exports alike, config.json (the completion marker)
-last.
+last. The distillation run writes `export/<method>/` in the AdaFlash layout (our engine,
+SGLang) and `export/<method>/dflash/` in the plain DFlash layout (vLLM, tpu-inference,
+sglang-jax; docs/serving.md): a subdirectory, so loaders that glob the top-level
+`*.safetensors` of the AdaFlash directory never see it.
 
 Also turns a stage checkpoint directory back into an export, for `experiments/export.py`:
 the run directory keeps the drafter's HF config (`drafter_config.json`), and the checkpoint's
@@ -11,6 +14,8 @@ the run directory keeps the drafter's HF config (`drafter_config.json`), and the
 from __future__ import annotations
 
 import json
+import os
+import warnings
 
 import jax
 import numpy as np
@@ -18,11 +23,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from adaflash_jax.distill.state import abstract_drafter
-from adaflash_jax.drafter.checkpoint import config_from_hf, config_to_hf, save_drafter
+from adaflash_jax.drafter.checkpoint import config_from_hf, config_to_hf, load_drafter
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.stacks import last_layer_warning, save_for_stack
 from adaflash_jax.io import fs
+from adaflash_jax.io.safetensors_io import SafetensorsFile
 
 DRAFTER_CONFIG = "drafter_config.json"
+PLAIN_SUBDIR = "dflash"  # the plain DFlash copy inside a run's AdaFlash export
 
 
 def host_params(params):
@@ -35,11 +43,16 @@ def host_params(params):
 
 
 def export_drafter(graphdef: nnx.GraphDef, params, path: str) -> str | None:
-    """Writes the export on process 0; every process must call it. Returns the path."""
+    """Writes the AdaFlash export and its plain DFlash copy (`<path>/dflash`) on process 0;
+    every process must call it. Returns the path."""
     host = host_params(params)
     if jax.process_index() != 0:
         return None
-    save_drafter(nnx.merge(graphdef, host), path)
+    drafter = nnx.merge(graphdef, host)
+    save_for_stack(drafter, path, "adaflash")
+    save_for_stack(drafter, fs.join(fs.absolute(path), PLAIN_SUBDIR), "vllm")
+    if note := last_layer_warning(drafter.config):
+        warnings.warn(note, UserWarning, stacklevel=2)
     return path
 
 
@@ -59,9 +72,12 @@ def checkpoint_step(ckpt_dir: str, step: int | None = None) -> int:
     return found
 
 
-def export_checkpoint(ckpt_dir: str, out: str, *, run_dir: str | None = None, step=None) -> str:
-    """A stage checkpoint directory (`<run>/ckpt/<stage>`) → HF export at `out`: only the
-    `params` of the state item are read (orbax partial restore, as host arrays)."""
+def export_checkpoint(
+    ckpt_dir: str, out: str, *, run_dir: str | None = None, step=None, stack="adaflash"
+) -> list[str]:
+    """A stage checkpoint directory (`<run>/ckpt/<stage>`) → HF export at `out` in the layout
+    `stack` loads (`drafter.stacks`): only the `params` of the state item are read (orbax
+    partial restore, as host arrays). Returns the stack's warnings."""
     ckpt_dir = fs.absolute(ckpt_dir)  # local or gs://
     run_dir = run_dir or ckpt_dir.rsplit("/", 2)[0]
     cfg_path = f"{run_dir}/{DRAFTER_CONFIG}"
@@ -79,5 +95,16 @@ def export_checkpoint(ckpt_dir: str, out: str, *, run_dir: str | None = None, st
             params = mgr.restore(step, args=ocp.args.Composite(state=args)).state["params"]
         except (ValueError, KeyError) as e:
             raise ValueError(f"checkpoint {ckpt_dir}/{step} does not fit {cfg_path}: {e}") from None
-    save_drafter(nnx.merge(graphdef, params), out)
-    return out
+    return save_for_stack(nnx.merge(graphdef, params), out, stack)
+
+
+def is_export_dir(path: str) -> bool:
+    """A drafter export (ours or published): config.json and model.safetensors, local."""
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "model.safetensors"))
+
+
+def convert_export(src: str, out: str, *, stack: str) -> list[str]:
+    """An export directory (ours or a published DFlash drafter) → the layout `stack` loads,
+    weights bit for bit in their stored dtype. Returns the stack's warnings."""
+    stored = SafetensorsFile(os.path.join(src, "model.safetensors")).dtype("fc.weight")
+    return save_for_stack(load_drafter(src), out, stack, dtype=stored)

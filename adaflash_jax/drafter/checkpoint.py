@@ -13,11 +13,17 @@ but without the file (e.g. re-saved by transformers' `save_pretrained`, which co
 config but not the extra file) it loads as one too, with a warning: only what reads the
 acceptance output (goodput's `head` estimator) refuses it.
 
-config.json carries the keys serving stacks read without defaults of their own: every
-drafter layer is full attention (`layer_types`, `use_sliding_window`, `sliding_window`),
-`num_target_layers`, and the weights' dtype both as `dtype` (what transformers ≥ 4.56 reads
-and writes) and as `torch_dtype` (what older readers look up; transformers reads it silently
-and prefers `dtype`).
+config.json carries every key a serving stack reads, even where it has a default of its own
+(docs/design.md §6.1): `block_size` at the top level and in `dflash_config`, `mask_token_id`
+and `target_layer_ids` in both places too, `num_target_layers`, the layers' attention
+(`layer_types`, `use_sliding_window`, `sliding_window`, `max_window_layers`), RoPE in both
+forms (`rope_theta` / `rope_scaling`, read by transformers 4; `rope_parameters`, read by
+transformers 5), and the weights' dtype both as `dtype` (what transformers ≥ 4.56 reads and
+writes) and as `torch_dtype` (what older readers look up).
+
+A published config this drafter cannot reproduce is refused with the key named
+(`config_from_hf`): a causal or other-architecture drafter, sliding layers that transformers
+would run as full attention, unknown layer kinds.
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.drafter.config import DrafterConfig, LengthHeadConfig
+from adaflash_jax.drafter.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DrafterConfig,
+    LengthHeadConfig,
+)
 from adaflash_jax.drafter.length_head import ACCEPT_FEATURES
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io import fs
@@ -98,16 +109,23 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
                 "features": list(ACCEPT_FEATURES),
             }
     n_layers = cfg.num_hidden_layers
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope.update(cfg.rope_scaling.to_hf(), rope_theta=cfg.rope_theta)
     out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "dflash_config": {"block_size": cfg.block_size, **dflash},
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
         "num_target_layers": cfg.num_target_layers,
         "num_hidden_layers": n_layers,
-        "layer_types": ["full_attention"] * n_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": list(cfg.layer_types),
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "max_window_layers": n_layers,  # transformers' rule when layer_types is absent
+        "is_causal": False,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -116,6 +134,7 @@ def config_to_hf(cfg: DrafterConfig) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
+        "rope_parameters": rope,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
@@ -154,12 +173,61 @@ def _accept_entry(raw: dict) -> dict | None:
     return entry
 
 
+def _refuse_unsupported(raw: dict) -> None:
+    """Published drafter configs this drafter would load as something else: one ConfigError
+    naming the key."""
+    dflash = raw.get("dflash_config") or {}
+    archs = raw.get("architectures") or ["DFlashDraftModel"]
+    if "DFlashDraftModel" not in archs:
+        raise ConfigError(
+            f"drafter config.json architectures {archs} is not a DFlash drafter "
+            "(DFlashDraftModel); other drafter architectures are not supported"
+        )
+    if raw.get("is_causal") or dflash.get("causal"):
+        key = "is_causal" if raw.get("is_causal") else "dflash_config.causal"
+        raise ConfigError(f"drafter config.json sets {key}=true: causal drafters are not supported")
+    if dflash.get("use_swa"):  # a window on every layer in another key form
+        raise ConfigError(
+            "drafter config.json sets dflash_config.use_swa: give the window as layer_types "
+            "(sliding_attention) + sliding_window + use_sliding_window=true instead"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"drafter config.json hidden_act {raw['hidden_act']!r} is not 'silu'")
+    if raw.get("attention_bias"):
+        raise ConfigError("drafter config.json sets attention_bias=true, which is not supported")
+
+
+def _layer_attention(raw: dict, n_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) as transformers' Qwen3Config resolves them: the window
+    counts only with `use_sliding_window`; without `layer_types`, layers from
+    `max_window_layers` (default 28) on are sliding."""
+    layer_types = raw.get("layer_types")
+    if not raw.get("use_sliding_window"):
+        if layer_types and SLIDING_ATTENTION in layer_types:
+            raise ConfigError(
+                "drafter config.json has sliding_attention layer_types but "
+                "use_sliding_window=false, so transformers runs them as full attention: set "
+                "use_sliding_window=true (or make them full_attention)"
+            )
+        return tuple(layer_types or (FULL_ATTENTION,) * n_layers), None
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ConfigError(
+            f"drafter config.json sets use_sliding_window=true with sliding_window={window!r}"
+        )
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", 28))
+        layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n_layers)]
+    return tuple(layer_types), window
+
+
 def config_from_hf(
     raw: dict, *, with_length_head: bool | None = None, accept_dim: int | None = None
 ) -> DrafterConfig:
     """`accept_dim` None takes the acceptance width from `dflash_config.adaflash_accept_head`
     (0 when absent); it only applies when the config has a length head."""
     dflash = raw.get("dflash_config") or {}
+    _refuse_unsupported(raw)
     try:
         block_size = int(raw.get("block_size", dflash.get("block_size")))
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
@@ -182,6 +250,7 @@ def config_from_hf(
             accept_dim = entry["accept_dim"] if entry else 0
         if accept_dim and not head:
             raise ConfigError(f"accept_dim={accept_dim} needs the length head")
+        layer_types, sliding_window = _layer_attention(raw, int(raw["num_hidden_layers"]))
         return DrafterConfig(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -206,6 +275,8 @@ def config_from_hf(
                 if head
                 else None
             ),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
     except (KeyError, TypeError) as e:
         raise ConfigError(f"drafter config.json is missing or has a bad field: {e}") from None
@@ -223,13 +294,19 @@ def _host_tensors(table, dtype) -> dict[str, np.ndarray]:
     return out
 
 
-def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16) -> None:
+def save_drafter(
+    drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16, length_head: bool = True
+) -> None:
     """Writes the export to a local directory or a `gs://` URL; every weight file lands before
     config.json (the completion marker), so a torn write is never loadable. The acceptance
-    part, if any, is float32."""
+    part, if any, is float32. `length_head=False` writes a plain DFlash drafter: no head
+    tensors, no acceptance part, no head keys in config.json (what vLLM's loader needs)."""
     path = fs.absolute(path)
-    tensors = _host_tensors(drafter_param_table(drafter), dtype)
-    head = drafter.length_head
+    table = drafter_param_table(drafter)
+    head = drafter.length_head if length_head else None
+    if head is None:
+        table = {k: v for k, v in table.items() if not k.startswith(HEAD_PREFIX)}
+    tensors = _host_tensors(table, dtype)
     extra = None
     if head is not None and head.has_accept_output:
         extra = _host_tensors(accept_param_table(drafter), np.float32)
@@ -241,7 +318,12 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat1
         save_file(extra, part)
     else:  # a stale part from an earlier export into this directory
         fs.remove(part)
-    cfg = config_to_hf(drafter.config)
+    config = (
+        drafter.config
+        if head is not None
+        else dataclasses.replace(drafter.config, length_head=None)
+    )
+    cfg = config_to_hf(config)
     cfg["dtype"] = cfg["torch_dtype"] = tensors["fc.weight"].dtype.name
     fs.write_text(cfg_file, json.dumps(cfg, indent=2))
 

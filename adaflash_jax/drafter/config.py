@@ -10,6 +10,11 @@ from adaflash_jax.model.config import ConfigError, RopeScaling, TargetConfig
 LOSS_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Width of the per-position acceptance network a distillation run gives its head by default.
 DEFAULT_ACCEPT_DIM = 64
+# Drafter layer kinds (HF `layer_types`): a "sliding_attention" layer's block query at position
+# p sees only the context keys at positions > p − sliding_window (docs/design.md §3).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,9 +53,15 @@ class DrafterConfig:
     num_target_layers: int
     mask_token_id: int
     length_head: LengthHeadConfig | None = None
+    # One entry per drafter layer (None: every layer full attention); the window of the
+    # sliding layers (None when there are none).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        layer_types = self.layer_types or (FULL_ATTENTION,) * self.num_hidden_layers
+        object.__setattr__(self, "layer_types", tuple(str(t) for t in layer_types))
         if self.block_size < 2:
             raise ConfigError(f"block_size must be at least 2, got {self.block_size}")
         if self.num_hidden_layers < 1:
@@ -71,6 +82,32 @@ class DrafterConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries, the drafter has "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(
+                    f"layer_types[{i}] is {kind!r}; supported drafter layers: {list(LAYER_TYPES)}"
+                )
+        if SLIDING_ATTENTION not in self.layer_types:
+            object.__setattr__(self, "sliding_window", None)  # nothing reads it
+            return
+        w = self.sliding_window
+        if not isinstance(w, int) or isinstance(w, bool) or w < self.block_size:
+            raise ConfigError(
+                f"sliding_window must be an integer >= block_size ({self.block_size}) for the "
+                f"sliding_attention layers, got {w!r} (a block's own keys are never windowed)"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of drafter layer `layer` (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     @property
     def num_features(self) -> int:
@@ -92,10 +129,13 @@ class DrafterConfig:
         num_features: int = 5,
         length_head: bool = True,
         accept_dim: int = 0,
+        layer_types: tuple[str, ...] | None = None,
+        sliding_window: int | None = None,
     ) -> DrafterConfig:
         """A drafter shaped like its target (DFlash: same width and heads as the target).
 
-        `accept_dim` > 0 gives the length head a per-position acceptance output.
+        `accept_dim` > 0 gives the length head a per-position acceptance output;
+        `layer_types` / `sliding_window` make some layers sliding-window (docs/design.md §3).
         """
         if accept_dim and not length_head:
             raise ConfigError(f"accept_dim={accept_dim} needs length_head=True")
@@ -118,6 +158,8 @@ class DrafterConfig:
             num_target_layers=target.num_hidden_layers,
             mask_token_id=mask_token_id,
             length_head=LengthHeadConfig(accept_dim=accept_dim) if length_head else None,
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
     def validate_against(self, target: TargetConfig) -> None:

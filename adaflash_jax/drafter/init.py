@@ -80,6 +80,8 @@ def drafter_for_target(
     target_layer_ids: tuple[int, ...] | None = None,
     mask_token_id: int | None = None,
     length_head: bool = True,
+    layer_types: tuple[str, ...] | None = None,
+    sliding_window: int | None = None,
     seed: int = 0,
 ) -> Drafter:
     target = TargetConfig.from_pretrained(target_dir)
@@ -98,6 +100,8 @@ def drafter_for_target(
         num_features=num_features,
         target_layer_ids=target_layer_ids,
         length_head=length_head,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
     cfg.validate_against(target)
     return Drafter(cfg, rngs=nnx.Rngs(seed))

@@ -5,8 +5,12 @@ Dimensions: B batch, C context slots (committed tokens with target features), N 
 
 Keys are laid out as [context ; block tokens]. A block query sees every context token
 strictly before its anchor, and all K tokens of its own block (bidirectional), nothing else.
-Serving uses the dense mask; training may use it too (`Drafter.train_hidden(attention=
-"dense")`), though `train_attention.BlockSparse` computes the same attention without it.
+In a sliding-window layer (window W ≥ K) the block query at position p = anchor + k sees
+only the context keys at positions j > p − W: the flash-attention window (W−1 each way)
+that z-lab's reference passes for its `sliding_attention` layers. Its own block's keys are
+all within W. Serving uses the dense mask; training may use it too
+(`Drafter.train_hidden(attention="dense")`), though `train_attention.BlockSparse` computes
+the same attention without it.
 """
 
 from __future__ import annotations
@@ -31,17 +35,44 @@ class DenseMask:
         return attend(q_BxTxHxDh, k, v, self.mask_BxTx_CT)
 
 
-def decode_mask(context_len_B, context_capacity: int, block_size: int):
-    """Serving: one block per row, anchored at `context_len_B` → bool [B, K, C + K]."""
-    ctx_BxC = jnp.arange(context_capacity)[None, :] < context_len_B[:, None]
-    ctx_BxKxC = jnp.broadcast_to(
-        ctx_BxC[:, None, :], (context_len_B.shape[0], block_size, context_capacity)
+def context_visible(key_pos_BxC, anchor_B, block_size: int, window: int | None):
+    """bool [B, K, C]: block position k (at `anchor + k`) sees the context key at position
+    `key_pos` iff 0 <= key_pos < anchor and, in a window W, key_pos > anchor + k − W."""
+    key_pos_Bx1xC = key_pos_BxC[:, None, :]
+    anchor_Bx1x1 = anchor_B[:, None, None]
+    visible = (key_pos_Bx1xC >= 0) & (key_pos_Bx1xC < anchor_Bx1x1)
+    if window is not None:
+        query_pos_1xKx1 = jnp.arange(block_size, dtype=jnp.int32)[None, :, None]
+        visible &= key_pos_Bx1xC > anchor_Bx1x1 + query_pos_1xKx1 - window
+    return jnp.broadcast_to(visible, (anchor_B.shape[0], block_size, key_pos_BxC.shape[1]))
+
+
+def decode_mask(context_len_B, context_capacity: int, block_size: int, window=None):
+    """Serving: one block per row, anchored at `context_len_B`, over the whole context cache
+    (slot j holds position j) → bool [B, K, C + K]."""
+    slots_BxC = jnp.broadcast_to(
+        jnp.arange(context_capacity, dtype=jnp.int32), (context_len_B.shape[0], context_capacity)
     )
-    block_BxKxK = jnp.ones((context_len_B.shape[0], block_size, block_size), bool)
-    return jnp.concatenate([ctx_BxKxC, block_BxKxK], axis=-1)
+    return _with_block(context_visible(slots_BxC, context_len_B, block_size, window))
 
 
-def train_mask(anchors_BxN, valid_BxN, seq_len: int, block_size: int):
+def window_slots(context_len_B, window: int):
+    """The W − 1 context positions a window-W block can see: [B, W−1] int32, from
+    `len − W + 1` (negative where the context is shorter; masked by `context_visible`)."""
+    return context_len_B[:, None] - (window - 1) + jnp.arange(window - 1, dtype=jnp.int32)
+
+
+def windowed_mask(slots_BxW, context_len_B, block_size: int, window: int):
+    """Serving over the gathered `window_slots` only → bool [B, K, (W−1) + K]."""
+    return _with_block(context_visible(slots_BxW, context_len_B, block_size, window))
+
+
+def _with_block(ctx_BxKxC):
+    b, k = ctx_BxKxC.shape[:2]
+    return jnp.concatenate([ctx_BxKxC, jnp.ones((b, k, k), bool)], axis=-1)
+
+
+def train_mask(anchors_BxN, valid_BxN, seq_len: int, block_size: int, window=None):
     """Training: N blocks per sequence in one forward → bool [B, N·K, S + N·K].
 
     Invalid (padding) blocks see only themselves, so their rows stay finite and are
@@ -49,9 +80,11 @@ def train_mask(anchors_BxN, valid_BxN, seq_len: int, block_size: int):
     """
     b, n = anchors_BxN.shape
     k = block_size
-    ctx_BxNxS = jnp.arange(seq_len)[None, None, :] < anchors_BxN[:, :, None]
-    ctx_BxNxS &= valid_BxN[:, :, None]
-    ctx_BxNKxS = jnp.repeat(ctx_BxNxS, k, axis=1)
+    pos_S = jnp.arange(seq_len, dtype=jnp.int32)
+    ctx = jax.vmap(context_visible, in_axes=(None, 1, None, None), out_axes=1)(
+        jnp.broadcast_to(pos_S, (b, seq_len)), anchors_BxN, k, window
+    )  # [B, N, K, S]
+    ctx_BxNKxS = (ctx & valid_BxN[:, :, None, None]).reshape(b, n * k, seq_len)
     block_id_NK = jnp.repeat(jnp.arange(n), k)
     same_block = block_id_NK[:, None] == block_id_NK[None, :]
     blocks_BxNKxNK = jnp.broadcast_to(same_block, (b, n * k, n * k))

@@ -7,6 +7,8 @@ The drafter owns no embedding and no LM head: the target's frozen tables are pas
 arrays (`embedding_VxD`, `lm_head_DxV`) on every call. Target features are fused once per
 committed token (`fc` → `hidden_norm`) and injected as extra keys/values into every layer;
 the fused context skips each layer's input norm and MLP. Queries come from the block only.
+A sliding-window layer (`DrafterConfig.layer_types`) sees only the context keys within its
+window (`masks.context_visible`); in serving it reads only those W − 1 cache entries.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ class Drafter(nnx.Module):
         """Drafts K−1 tokens after each row's last committed token, in one forward pass.
 
         The bonus token sits at position `cache.lengths[b]`: the context holds features of
-        every committed token before it.
+        every committed token before it. A sliding layer whose window is shorter than the
+        cache gathers the W − 1 entries its window can see and reads nothing else.
         """
         cfg = self.config
         b, k = bonus_B.shape[0], cfg.block_size
@@ -147,10 +150,17 @@ class Drafter(nnx.Module):
             [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
         )
         positions_BxK = cache.positions(k)
-        mask = masks.DenseMask(masks.decode_mask(cache.lengths, cache.capacity, k))
+        views = {}  # window → (gathered slots [B, W−1] or None, mask)
         x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions_BxK, cache.k[i], cache.v[i], mask)
+            window = cfg.layer_window(i)
+            if window not in views:
+                views[window] = _serving_view(cache.lengths, cache.capacity, k, window)
+            slots_BxW, mask = views[window]
+            ctx_k, ctx_v = cache.k[i], cache.v[i]
+            if slots_BxW is not None:
+                ctx_k, ctx_v = _gather_slots(ctx_k, slots_BxW), _gather_slots(ctx_v, slots_BxW)
+            x = layer(x, positions_BxK, ctx_k, ctx_v, mask)
         hidden_BxKxD = self.norm(x)
         logits = jnp.dot(hidden_BxKxD[:, 1:], lm_head_DxV.astype(self.dtype))
         return DraftOutput(hidden_BxKxD=hidden_BxKxD, logits_BxKm1xV=logits)
@@ -183,12 +193,16 @@ class Drafter(nnx.Module):
         n, k = anchors_BxN.shape[1], cfg.block_size
         if attention_chunk < 1:
             raise ValueError(f"attention chunk must be positive, got {attention_chunk}")
-        if attention == "sparse":  # a padding block sees no context, only itself
-            pattern = BlockSparse(jnp.where(valid_BxN, anchors_BxN, 0), chunk=attention_chunk)
-        elif attention == "dense":
-            pattern = masks.DenseMask(masks.train_mask(anchors_BxN, valid_BxN, s, k))
-        else:
+        if attention not in ("sparse", "dense"):
             raise ValueError(f"train attention must be 'sparse' or 'dense', got {attention!r}")
+        patterns = {}  # window → the layer's attention
+        for w in {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}:
+            if attention == "sparse":  # a padding block sees no context, only itself
+                context_len_BxN = jnp.where(valid_BxN, anchors_BxN, 0)
+                patterns[w] = BlockSparse(context_len_BxN, chunk=attention_chunk, window=w)
+            else:
+                mask = masks.train_mask(anchors_BxN, valid_BxN, s, k, window=w)
+                patterns[w] = masks.DenseMask(mask)
         ctx_BxSxD = constrain_rows(rows, self.fuse(features_BxSxnD), b)
         ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         first_BxN = jnp.take_along_axis(tokens_BxS, anchors_BxN, axis=1)
@@ -199,10 +213,25 @@ class Drafter(nnx.Module):
         positions_BxNK = (anchors_BxN[..., None] + jnp.arange(k, dtype=jnp.int32)).reshape(b, n * k)
         x = jnp.take(embedding_VxD, block_BxNxK.reshape(b, n * k), axis=0).astype(self.dtype)
         x = constrain_rows(rows, x, b)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.keys_values(ctx_BxSxD, ctx_pos_BxS)
+            pattern = patterns[cfg.layer_window(i)]
             x = constrain_rows(rows, layer(x, positions_BxNK, ctx_k, ctx_v, pattern), b)
         return self.norm(x).reshape(b, n, k, -1)
 
     def logits(self, hidden, lm_head_DxV):
         return jnp.dot(hidden.astype(self.dtype), lm_head_DxV.astype(self.dtype))
+
+
+def _serving_view(lengths_B, capacity: int, block_size: int, window: int | None):
+    """(slots [B, W−1] to gather, or None to read the whole cache; the block's mask)."""
+    if window is None or window - 1 >= capacity:
+        return None, masks.DenseMask(masks.decode_mask(lengths_B, capacity, block_size, window))
+    slots_BxW = masks.window_slots(lengths_B, window)
+    return slots_BxW, masks.DenseMask(masks.windowed_mask(slots_BxW, lengths_B, block_size, window))
+
+
+def _gather_slots(cache_BxSxKvxDh, slots_BxW):
+    """The cache entries at `slots` (clipped into the cache; out-of-range ones are masked)."""
+    index_BxW = jnp.clip(slots_BxW, 0, cache_BxSxKvxDh.shape[1] - 1)
+    return jnp.take_along_axis(cache_BxSxKvxDh, index_BxW[:, :, None, None], axis=1)

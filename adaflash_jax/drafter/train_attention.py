@@ -6,7 +6,9 @@ J = ⌈S/C⌉ chunks.
 
 Block n's queries see the context keys at positions < `context_len_BxN[n]` (its anchor; 0
 for a padding block, which then sees only itself) and the K keys of their own block, both
-ways. The dense path (`masks.train_mask` + `layers.attend`) scores all T·(S + T) pairs;
+ways. In a sliding-window layer (window W) the query at position p = anchor + k also needs
+key position > p − W (`masks.context_visible`): each query has a [start, limit) range.
+The dense path (`masks.train_mask` + `layers.attend`) scores all T·(S + T) pairs;
 here the two visible parts are computed apart and merged by their log-sum-exp:
 - block → context (`prefix_attention`): C keys at a time with an online softmax, so no
   [T, S] score matrix exists. Its `jax.custom_vjp` saves only (output, log-sum-exp) and the
@@ -61,23 +63,25 @@ def _chunked(x_BxSxKvxDh, chunk: int):
     return jnp.moveaxis(x.reshape(b, j, chunk, *x.shape[2:]), 1, 0)
 
 
-def _chunk_scores(q_BxTxKvxGxDh, k_BxCxKvxDh, limit_BxT, start):
-    """Masked float32 scores [B, Kv, G, T, C] of one chunk starting at key `start`."""
+def _chunk_scores(q_BxTxKvxGxDh, k_BxCxKvxDh, first_BxT, limit_BxT, start):
+    """Masked float32 scores [B, Kv, G, T, C] of one chunk starting at key `start`; query t
+    sees keys in [first_BxT[t], limit_BxT[t])."""
     scale = q_BxTxKvxGxDh.shape[-1] ** -0.5
     s = jnp.einsum(
         "btkgd,bckd->bkgtc", q_BxTxKvxGxDh, k_BxCxKvxDh, preferred_element_type=jnp.float32
     )
     pos_C = start + jnp.arange(k_BxCxKvxDh.shape[1], dtype=jnp.int32)
-    visible_BxTxC = pos_C[None, None, :] < limit_BxT[:, :, None]
+    pos_1x1xC = pos_C[None, None, :]
+    visible_BxTxC = (pos_1x1xC < limit_BxT[:, :, None]) & (pos_1x1xC >= first_BxT[:, :, None])
     visible = visible_BxTxC[:, None, None]
     return jnp.where(visible, s * scale, NEG_INF), visible
 
 
-def _online_step(q_BxTxKvxGxDh, limit_BxT, carry, chunk_xs):
+def _online_step(q_BxTxKvxGxDh, first_BxT, limit_BxT, carry, chunk_xs):
     """One chunk of the online softmax: (max, sum, unnormalised output) updated."""
     m_BxKvxGxT, l_BxKvxGxT, acc_BxKvxGxTxDh = carry
     k_c, v_c, start = chunk_xs
-    s, visible = _chunk_scores(q_BxTxKvxGxDh, k_c, limit_BxT, start)
+    s, visible = _chunk_scores(q_BxTxKvxGxDh, k_c, first_BxT, limit_BxT, start)
     m_new = jnp.maximum(m_BxKvxGxT, s.max(axis=-1))
     correction = jnp.exp(m_BxKvxGxT - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
@@ -88,13 +92,15 @@ def _online_step(q_BxTxKvxGxDh, limit_BxT, carry, chunk_xs):
     return (m_new, l_new, acc_BxKvxGxTxDh * correction[..., None] + pv), None
 
 
-def _prefix_forward(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, chunk: int, remat: bool):
+def _prefix_forward(
+    q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, first_BxT, limit_BxT, chunk: int, remat: bool
+):
     b, t, h, dh = q_BxTxHxDh.shape
     kv = k_BxSxKvxDh.shape[2]
     q = _grouped(q_BxTxHxDh, kv)
     k_J, v_J = _chunked(k_BxSxKvxDh, chunk), _chunked(v_BxSxKvxDh, chunk)
     starts_J = jnp.arange(k_J.shape[0], dtype=jnp.int32) * chunk
-    step = partial(_online_step, q, limit_BxT)
+    step = partial(_online_step, q, first_BxT, limit_BxT)
     if remat:
         step = jax.checkpoint(step)
     init = (
@@ -110,20 +116,20 @@ def _prefix_forward(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, chunk: int,
     return out_BxTxHxDh, lse_BxKvxGxT
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _prefix_recompute(q, k, v, limit_BxT, chunk):
-    return _prefix_forward(q, k, v, limit_BxT, chunk, remat=False)
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _prefix_recompute(q, k, v, first_BxT, limit_BxT, chunk):
+    return _prefix_forward(q, k, v, first_BxT, limit_BxT, chunk, remat=False)
 
 
-def _prefix_fwd(q, k, v, limit_BxT, chunk):
-    out, lse = _prefix_forward(q, k, v, limit_BxT, chunk, remat=False)
-    return (out, lse), (q, k, v, limit_BxT, out, lse)
+def _prefix_fwd(q, k, v, first_BxT, limit_BxT, chunk):
+    out, lse = _prefix_forward(q, k, v, first_BxT, limit_BxT, chunk, remat=False)
+    return (out, lse), (q, k, v, first_BxT, limit_BxT, out, lse)
 
 
 def _prefix_bwd(chunk, residuals, cotangents):
     """Flash-attention backward, one chunk at a time: dS = P ⊙ (dP − Δ), Δ = rowsum(dO ⊙ O)
     − d(lse), with P recomputed from the saved log-sum-exp."""
-    q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, out, lse_BxKvxGxT = residuals
+    q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, first_BxT, limit_BxT, out, lse_BxKvxGxT = residuals
     dout_BxTxHxDh, dlse_BxKvxGxT = cotangents
     s, kv = k_BxSxKvxDh.shape[1], k_BxSxKvxDh.shape[2]
     scale = q_BxTxHxDh.shape[-1] ** -0.5
@@ -140,7 +146,7 @@ def _prefix_bwd(chunk, residuals, cotangents):
 
     def step(dq_BxTxKvxGxDh, chunk_xs):
         k_c, v_c, start = chunk_xs
-        scores, visible = _chunk_scores(q, k_c, limit_BxT, start)
+        scores, visible = _chunk_scores(q, k_c, first_BxT, limit_BxT, start)
         p = jnp.where(visible, jnp.exp(scores - lse_BxKvxGxT[..., None]), 0.0)
         dp = jnp.einsum("btkgd,bckd->bkgtc", do, v_c, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_BxKvxGxT[..., None])).astype(q.dtype)
@@ -158,17 +164,25 @@ def _prefix_bwd(chunk, residuals, cotangents):
         return jnp.moveaxis(x_JxBxCxKvxDh, 0, 1).reshape(b, j * c, *x_JxBxCxKvxDh.shape[3:])[:, :s]
 
     dq_BxTxHxDh = dq.reshape(q_BxTxHxDh.shape).astype(q_BxTxHxDh.dtype)
-    return dq_BxTxHxDh, unchunk(dk_J), unchunk(dv_J), None
+    return dq_BxTxHxDh, unchunk(dk_J), unchunk(dv_J), None, None
 
 
 _prefix_recompute.defvjp(_prefix_fwd, _prefix_bwd)
 
 
 def prefix_attention(
-    q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, *, chunk: int = DEFAULT_CHUNK, remat=False
+    q_BxTxHxDh,
+    k_BxSxKvxDh,
+    v_BxSxKvxDh,
+    limit_BxT,
+    *,
+    first_BxT=None,
+    chunk: int = DEFAULT_CHUNK,
+    remat=False,
 ):
-    """Query t attends to keys [0, limit_BxT[t]) → (output [B, T, H, Dh] in v's dtype,
-    float32 log-sum-exp [B, Kv, G, T]; NEG_INF and a zero output where nothing is visible).
+    """Query t attends to keys [first_BxT[t], limit_BxT[t]) (first: 0 when None) → (output
+    [B, T, H, Dh] in v's dtype, float32 log-sum-exp [B, Kv, G, T]; NEG_INF and a zero output
+    where nothing is visible).
 
     The backward recomputes each chunk from the saved (output, lse) (`jax.custom_vjp`);
     `remat=True` instead differentiates the chunk scan itself with each step under
@@ -177,9 +191,12 @@ def prefix_attention(
     if chunk < 1:
         raise ValueError(f"attention chunk must be positive, got {chunk}")
     chunk = min(chunk, k_BxSxKvxDh.shape[1])
+    if first_BxT is None:
+        first_BxT = jnp.zeros_like(limit_BxT)
+    args = (q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, first_BxT, limit_BxT, chunk)
     if remat:
-        return _prefix_forward(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, chunk, remat=True)
-    return _prefix_recompute(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, limit_BxT, chunk)
+        return _prefix_forward(*args, remat=True)
+    return _prefix_recompute(*args)
 
 
 def block_attention(q_BxNxKxHxDh, k_BxNxKxKvxDh, v_BxNxKxKvxDh):
@@ -198,20 +215,38 @@ def block_attention(q_BxNxKxHxDh, k_BxNxKxKvxDh, v_BxNxKxKvxDh):
 
 
 def train_attention(
-    q_BxTxHxDh, ctx_k, ctx_v, blk_k, blk_v, context_len_BxN, *, chunk: int = DEFAULT_CHUNK
+    q_BxTxHxDh,
+    ctx_k,
+    ctx_v,
+    blk_k,
+    blk_v,
+    context_len_BxN,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    window: int | None = None,
 ):
     """Block-sparse drafter attention → [B, T, H, Dh] in `blk_v`'s dtype.
 
     `ctx_k/ctx_v` [B, S, Kv, Dh] are the context's keys/values, `blk_k/blk_v` [B, T, Kv, Dh]
-    the blocks' (T = N·K, block-major). Equals `attend` under `masks.train_mask`.
+    the blocks' (T = N·K, block-major). Equals `attend` under `masks.train_mask` (with the
+    same `window`).
     """
     b, t, h, dh = q_BxTxHxDh.shape
     n = context_len_BxN.shape[1]
     k = t // n
     kv = blk_k.shape[2]
-    limit_BxT = jnp.repeat(context_len_BxN.astype(jnp.int32), k, axis=1)
+    limit_BxNxK = jnp.broadcast_to(context_len_BxN.astype(jnp.int32)[..., None], (b, n, k))
+    first_BxT = None
+    if window is not None:  # query at anchor + k sees keys > anchor + k − W
+        first_BxNxK = limit_BxNxK + jnp.arange(k, dtype=jnp.int32) - window + 1
+        first_BxT = first_BxNxK.reshape(b, t)
     ctx_out, ctx_lse = prefix_attention(
-        q_BxTxHxDh, ctx_k.astype(blk_k.dtype), ctx_v.astype(blk_v.dtype), limit_BxT, chunk=chunk
+        q_BxTxHxDh,
+        ctx_k.astype(blk_k.dtype),
+        ctx_v.astype(blk_v.dtype),
+        limit_BxNxK.reshape(b, t),
+        first_BxT=first_BxT,
+        chunk=chunk,
     )
     blk_out, blk_lse = block_attention(
         q_BxTxHxDh.reshape(b, n, k, h, dh),
@@ -236,8 +271,16 @@ class BlockSparse:
 
     context_len_BxN: jax.Array  # context keys [0, len) visible to block n (0: padding block)
     chunk: int = struct.field(pytree_node=False, default=DEFAULT_CHUNK)
+    window: int | None = struct.field(pytree_node=False, default=None)  # sliding layers
 
     def __call__(self, q_BxTxHxDh, ctx_k, ctx_v, blk_k, blk_v):
         return train_attention(
-            q_BxTxHxDh, ctx_k, ctx_v, blk_k, blk_v, self.context_len_BxN, chunk=self.chunk
+            q_BxTxHxDh,
+            ctx_k,
+            ctx_v,
+            blk_k,
+            blk_v,
+            self.context_len_BxN,
+            chunk=self.chunk,
+            window=self.window,
         )
