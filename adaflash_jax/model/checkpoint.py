@@ -2,13 +2,19 @@
 
 Weights go straight from a memory map onto their devices: with a mesh, each device reads
 only its own slice, so a large target never sits whole in one host buffer or one device.
-A Qwen3-MoE layer's experts are stored one tensor per expert
-(`mlp.experts.{e}.{gate,up,down}_proj.weight`) and stacked here into [E, ...] arrays.
+A MoE layer's experts are stored one tensor per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) or, as transformers 5 writes Qwen3.5-MoE, fused
+(`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); both become our
+stacked [E, ...] arrays. Qwen3.5 checkpoints as users have them (docs/design.md §2.1): the
+multimodal `Qwen3_5ForConditionalGeneration` keeps the decoder under `model.language_model.`
+beside a vision tower (`model.visual.`), and may carry multi-token-prediction weights (`mtp.`);
+the decoder is read, those are skipped, and the skip is logged once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -19,52 +25,93 @@ from jax.sharding import Mesh
 
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
 from adaflash_jax.model.moe import MoEBlock
-from adaflash_jax.model.target import TargetLM
+from adaflash_jax.model.target import DecoderLayer, TargetLM
 from adaflash_jax.sharding.rules import DECODE_RULES, Rules, variable_sharding
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # vision tower, multi-token prediction
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model its config describes."""
 
 
-def hf_param_table(model: TargetLM) -> dict[str, tuple[nnx.Variable, bool]]:
-    """HF tensor name → (our Variable, whether HF stores it transposed as [out, in])."""
+def hf_param_table(
+    model: TargetLM, prefix: str = TEXT_PREFIX
+) -> dict[str, tuple[nnx.Variable, bool]]:
+    """HF tensor name → (our Variable, whether HF stores it transposed as [out, in]); the
+    decoder's names under `prefix` (`MULTIMODAL_PREFIX` in a multimodal checkpoint)."""
     table: dict[str, tuple[nnx.Variable, bool]] = {
-        "model.embed_tokens.weight": (model.embed_tokens, False),
-        "model.norm.weight": (model.norm.weight, False),
+        f"{prefix}embed_tokens.weight": (model.embed_tokens, False),
+        f"{prefix}norm.weight": (model.norm.weight, False),
     }
     if model.lm_head is not None:
         table["lm_head.weight"] = (model.lm_head.kernel, True)
     for i, layer in enumerate(model.layers):
-        table.update(layer_param_table(layer, f"model.layers.{i}."))
+        table.update(layer_param_table(layer, f"{prefix}layers.{i}."))
     return table
+
+
+def _linear_attention_table(layer: DecoderLayer, prefix: str):
+    """A Gated DeltaNet's tensors (transformers' names); the conv weight keeps HF's shape."""
+    net, p = layer.linear_attn, f"{prefix}linear_attn."
+    table = {f"{p}{n}.weight": (getattr(net, n).kernel, True) for n in _DELTANET_DENSE}
+    table.update(
+        {
+            f"{p}conv1d.weight": (net.conv1d, False),
+            f"{p}A_log": (net.A_log, False),
+            f"{p}dt_bias": (net.dt_bias, False),
+            f"{p}norm.weight": (net.norm.weight, False),
+        }
+    )
+    return table
+
+
+_DELTANET_DENSE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def layer_param_table(layer, prefix: str) -> dict[str, tuple[nnx.Variable, bool]]:
     """One Llama/Qwen3 decoder layer's HF tensor names under `prefix` → (Variable, stored
     transposed as [out, in]): the target's layers and the DFlash drafter's share them."""
-    attn = layer.self_attn
     table = {
         f"{prefix}input_layernorm.weight": (layer.input_layernorm.weight, False),
         f"{prefix}post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, False),
     }
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        table[f"{prefix}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
-    if attn.q_norm is not None:
-        table[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
-        table[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+    if isinstance(layer, DecoderLayer) and layer.linear_attn is not None:
+        table.update(_linear_attention_table(layer, prefix))
+    else:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[f"{prefix}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
+        if attn.q_norm is not None:
+            table[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
+            table[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
     if isinstance(layer.mlp, MoEBlock):
         table[f"{prefix}mlp.gate.weight"] = (layer.mlp.gate.kernel, True)
+        if layer.mlp.shared_expert is not None:
+            shared = layer.mlp.shared_expert
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                table[f"{prefix}mlp.shared_expert.{name}.weight"] = (
+                    getattr(shared, name).kernel,
+                    True,
+                )
+            table[f"{prefix}mlp.shared_expert_gate.weight"] = (
+                layer.mlp.shared_expert_gate.kernel,
+                True,
+            )
         return table
     for name in ("gate_proj", "up_proj", "down_proj"):
         table[f"{prefix}mlp.{name}.weight"] = (getattr(layer.mlp, name).kernel, True)
     return table
 
 
-def expert_param_table(model: TargetLM) -> list[tuple[nnx.Variable, list[str]]]:
+def expert_param_table(
+    model: TargetLM, prefix: str = TEXT_PREFIX
+) -> list[tuple[nnx.Variable, list[str]]]:
     """Each stacked [E, in, out] expert weight with its E HF tensor names (expert order),
     every one stored transposed as [out, in]."""
     out = []
@@ -74,11 +121,37 @@ def expert_param_table(model: TargetLM) -> list[tuple[nnx.Variable, list[str]]]:
         for name in ("gate_proj", "up_proj", "down_proj"):
             var = getattr(layer.mlp, name)
             names = [
-                f"model.layers.{i}.mlp.experts.{e}.{name}.weight"
+                f"{prefix}layers.{i}.mlp.experts.{e}.{name}.weight"
                 for e in range(var.get_value().shape[0])
             ]
             out.append((var, names))
     return out
+
+
+def fused_expert_names(names: list[str]) -> tuple[str, str]:
+    """(the fused tensor holding these per-expert names, its part: gate, up or down)."""
+    head, _, tail = names[0].rpartition(".experts.0.")
+    part = tail.split("_proj")[0]
+    return f"{head}.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}", part
+
+
+def _fused_expert_view(files, names: list[str], want: tuple[int, ...]) -> np.ndarray:
+    """Our stacked [E, in, out] expert weight as a (lazy) view of a fused tensor."""
+    fused, part = fused_expert_names(names)
+    f = files[fused]
+    e, d_in, d_out = want
+    hf_want = (e, 2 * d_out, d_in) if part != "down" else (e, d_out, d_in)
+    if f.shape(fused) != hf_want:
+        raise CheckpointError(
+            f"tensor {fused!r} has shape {list(f.shape(fused))} but config.json implies "
+            f"{list(hf_want)}"
+        )
+    arr = f.get(fused)
+    if part == "gate":
+        arr = arr[:, :d_out]
+    elif part == "up":
+        arr = arr[:, d_out:]
+    return arr.transpose(0, 2, 1)
 
 
 def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
@@ -115,21 +188,39 @@ def load_target(
     param_dtype=None,
     mesh: Mesh | None = None,
     rules: Rules = DECODE_RULES,
+    chunk: int = DEFAULT_CHUNK,
 ) -> TargetLM:
-    """Builds the model abstractly, then materialises each weight (sharded when `mesh`)."""
+    """Builds the model abstractly, then materialises each weight (sharded when `mesh`).
+    `chunk`: a hybrid's Gated DeltaNet chunk length (`TargetLM`)."""
     path = os.fspath(path)
     config = TargetConfig.from_pretrained(path)
     param_dtype = param_dtype or dtype
     files = open_weight_files(path)
     model = nnx.eval_shape(
-        lambda: TargetLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+        lambda: TargetLM(
+            config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, chunk=chunk
+        )
     )
-    table, experts = hf_param_table(model), expert_param_table(model)
+    prefix = (
+        MULTIMODAL_PREFIX if f"{MULTIMODAL_PREFIX}embed_tokens.weight" in files else TEXT_PREFIX
+    )
+    table, experts = hf_param_table(model, prefix), expert_param_table(model, prefix)
+    fused = {n: fused_expert_names(names)[0] for _, names in experts for n in names}
+    fused = {n: f for n, f in fused.items() if f in files and n not in files}
     expected, present = set(table), set(files)
-    expected.update(name for _, names in experts for name in names)
+    expected.update(fused.get(n, n) for _, names in experts for n in names)
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters write the tied copy anyway
     present = {n for n in present if not n.endswith("rotary_emb.inv_freq")}
+    if skipped := sorted(n for n in present if n.startswith(SKIPPED_PREFIXES)):
+        log.info(
+            "%s: skipping %d tensors outside the text decoder (vision tower, multi-token "
+            "prediction), e.g. %s",
+            path,
+            len(skipped),
+            skipped[0],
+        )
+        present -= set(skipped)
     if missing := sorted(expected - present):
         raise CheckpointError(
             f"checkpoint {path} is missing tensors: {missing[:8]}"
@@ -144,6 +235,10 @@ def load_target(
         view = _checked_view(files, name, transpose, tuple(var.get_value().shape))
         var.set_value(_materialise([view], False, var, param_dtype, mesh, rules))
     for var, names in experts:
+        if names[0] in fused:
+            view = _fused_expert_view(files, names, tuple(var.get_value().shape))
+            var.set_value(_materialise([view], False, var, param_dtype, mesh, rules))
+            continue
         want = tuple(var.get_value().shape[1:])
         views = [_checked_view(files, name, True, want) for name in names]
         var.set_value(_materialise(views, True, var, param_dtype, mesh, rules))
@@ -183,21 +278,29 @@ def _materialise(views: list, stacked: bool, var, param_dtype, mesh, rules) -> j
 
 
 def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None:
-    """Writes config.json + model.safetensors that `transformers` and `load_target` read."""
+    """Writes config.json + model.safetensors that `transformers` and `load_target` read (a
+    text-only CausalLM; Qwen3.5-MoE experts fused, as transformers 5 reads them)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = {}
+
+    def host(var):
+        arr = np.asarray(jax.device_get(var.get_value()))
+        return arr if dtype is None else arr.astype(np.dtype(dtype))
+
     for name, (var, transpose) in hf_param_table(model).items():
-        arr = np.asarray(jax.device_get(var.get_value()))
-        if dtype is not None:
-            arr = arr.astype(np.dtype(dtype))
+        arr = host(var)
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    fuse = model.config.model_type == "qwen3_5_moe_text"
     for var, names in expert_param_table(model):
-        arr = np.asarray(jax.device_get(var.get_value()))
-        if dtype is not None:
-            arr = arr.astype(np.dtype(dtype))
-        for e, name in enumerate(names):
-            tensors[name] = np.ascontiguousarray(arr[e].T)
+        arr = host(var).transpose(0, 2, 1)  # [E, out, in], HF's order
+        if not fuse:
+            tensors.update({n: np.ascontiguousarray(arr[e]) for e, n in enumerate(names)})
+            continue
+        name, part = fused_expert_names(names)
+        if part == "up":  # gate_up_proj = [gate ; up] on the out axis
+            arr = np.concatenate([tensors.pop(name), arr], axis=1)
+        tensors[name] = np.ascontiguousarray(arr)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = model.config.to_hf_dict()
     saved_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype

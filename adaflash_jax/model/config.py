@@ -1,8 +1,12 @@
 """Target LLM configuration, read from and written to HuggingFace `config.json`.
 
-Covers the dense Llama and Qwen3 families (docs/design.md §2) and Qwen3-MoE (`qwen3_moe`: per layer
-either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/moe.py`). The
-config is architecture only; dtypes are chosen when a model is built or loaded.
+Covers the dense Llama and Qwen3 families (docs/design.md §2), Qwen3-MoE (`qwen3_moe`: per layer
+either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/moe.py`) and the
+hybrid Qwen3.5 / Qwen3.6 family (§2.1: `qwen3_5_text`, `qwen3_5_moe_text`, and their multimodal
+wrappers `qwen3_5`, `qwen3_5_moe`, whose `text_config` is the decoder): per layer a Gated
+DeltaNet (`linear_attention`) or a gated full attention layer, the MoE one with a shared
+expert on every layer. The config is architecture only; dtypes are chosen when a model is
+built or loaded.
 """
 
 from __future__ import annotations
@@ -12,11 +16,21 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+LAYER_TYPES = ("full_attention", "linear_attention")
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
+_REFUSED = {
+    "qwen3_next": "its Gated DeltaNet stores q/k/v/z and b/a interleaved per key-head group "
+    "(in_proj_qkvz, in_proj_ba), a weight layout this project does not read yet; "
+    "Qwen3.5 / Qwen3.6 checkpoints (qwen3_5, qwen3_5_moe) are supported"
 }
 
 
@@ -62,9 +76,20 @@ class TargetConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # qwen3_5_moe_text: a gated shared expert
+    # Hybrid targets (qwen3_5_text, qwen3_5_moe_text): each layer's kind, partial RoPE on the
+    # full attention layers, and the Gated DeltaNet's shapes (docs/design.md §2.1).
+    layer_types: tuple[str, ...] = ()  # () = every layer full attention
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
@@ -85,12 +110,54 @@ class TargetConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(
+                f"head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} "
+                "must give an even number of rotated dims"
+            )
         self._check_experts()
+        self._check_layer_types()
+
+    def _check_layer_types(self):
+        if not self.is_hybrid:
+            if self.layer_types or self.partial_rotary_factor != 1.0:
+                raise ConfigError(
+                    f"layer_types and partial_rotary_factor need a hybrid model_type "
+                    f"{HYBRID_MODEL_TYPES}, not {self.model_type!r}"
+                )
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ConfigError(f"unknown layer_types {unknown}; supported: {list(LAYER_TYPES)}")
+        for name in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
 
     def _check_experts(self):
-        if self.model_type != "qwen3_moe":
+        if self.model_type == "qwen3_5_moe_text":
+            if self.num_experts <= 0 or self.shared_expert_intermediate_size <= 0:
+                raise ConfigError(
+                    "a qwen3_5_moe_text config needs num_experts and "
+                    "shared_expert_intermediate_size > 0"
+                )
+        elif self.shared_expert_intermediate_size:
+            raise ConfigError("shared_expert_intermediate_size needs model_type 'qwen3_5_moe_text'")
+        if self.model_type not in ("qwen3_moe", "qwen3_5_moe_text"):
             if self.num_experts:
                 raise ConfigError(
                     f"num_experts needs model_type 'qwen3_moe', not {self.model_type!r}"
@@ -125,8 +192,23 @@ class TargetConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises each query/key head before RoPE; Llama does not."""
-        return self.model_type in ("qwen3", "qwen3_moe")
+        """Qwen3 and Qwen3.5 normalise each query/key head before RoPE; Llama does not."""
+        return self.model_type != "llama"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers among the attention ones (docs/design.md §2.1). Such a model
+        also gates its attention output, and its RMSNorms scale by (1 + w)."""
+        return self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each attention head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a Gated DeltaNet (else full attention)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -144,14 +226,28 @@ class TargetConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> TargetConfig:
         model_type = cfg.get("model_type")
+        if model_type in _REFUSED:
+            raise ConfigError(f"model_type {model_type!r} is not supported: {_REFUSED[model_type]}")
+        if model_type in MULTIMODAL_WRAPPERS:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(
+                    f"a {model_type!r} config.json needs a text_config (its text decoder)"
+                )
+            # the wrapper's top-level token ids and tying apply when the text config omits them
+            inherited = ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+            cfg = {**{k: cfg[k] for k in inherited if k in cfg}, **text}
+            cfg["model_type"] = model_type = MULTIMODAL_WRAPPERS[model_type]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r} in config.json; "
-                f"supported: {SUPPORTED_MODEL_TYPES}"
+                f"supported: {SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL_WRAPPERS)}"
             )
         for flag in ("attention_bias", "mlp_bias"):
             if cfg.get(flag):
                 raise ConfigError(f"config.json sets {flag}=true, which is not supported")
+        if model_type == "qwen3_5_moe_text":  # every layer is MoE: no dense MLP width
+            cfg = {"intermediate_size": cfg.get("moe_intermediate_size"), **cfg}
         missing = [
             k
             for k in (
@@ -170,7 +266,9 @@ class TargetConfig:
         if cfg.get("use_sliding_window"):
             raise ConfigError("config.json sets use_sliding_window=true, which is not supported")
         default_theta = 10_000.0 if model_type == "llama" else 1_000_000.0
-        rope_theta, rope_scaling = read_rope(cfg, default_theta)
+        rope_theta, rope_scaling = read_rope(
+            cfg, default_theta, allow_mrope=model_type in HYBRID_MODEL_TYPES
+        )
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(eos)
@@ -190,7 +288,8 @@ class TargetConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
-            **(_experts_from_hf(cfg) if model_type == "qwen3_moe" else {}),
+            **(_experts_from_hf(cfg) if model_type in ("qwen3_moe", "qwen3_5_moe_text") else {}),
+            **(_hybrid_from_hf(cfg) if model_type in HYBRID_MODEL_TYPES else {}),
         )
 
     @classmethod
@@ -225,6 +324,28 @@ class TargetConfig:
             "torch_dtype": "float32",
             "use_cache": True,
         }
+        if self.is_hybrid:
+            out.update(
+                layer_types=list(self.layer_types),
+                linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+                linear_key_head_dim=self.linear_key_head_dim,
+                linear_value_head_dim=self.linear_value_head_dim,
+                linear_num_key_heads=self.linear_num_key_heads,
+                linear_num_value_heads=self.linear_num_value_heads,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": self.rope_theta,
+                    "partial_rotary_factor": self.partial_rotary_factor,
+                },
+            )
+            del out["rope_scaling"], out["rope_theta"]
+        if self.model_type == "qwen3_5_moe_text":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            )
         if self.model_type == "qwen3_moe":
             out.update(
                 num_experts=self.num_experts,
@@ -244,12 +365,25 @@ class TargetConfig:
 
 def _experts_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """A qwen3_moe config.json's expert fields (transformers >= 5 writes `num_local_experts`;
-    the published checkpoints say `num_experts`). The router's aux loss is training-only."""
+    the published checkpoints say `num_experts`). The router's aux loss is training-only.
+    qwen3_5_moe_text: every layer routes, always renormalised over the k, plus a shared expert."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if experts is None or "num_experts_per_tok" not in cfg or "moe_intermediate_size" not in cfg:
         raise ConfigError(
-            "a qwen3_moe config.json needs num_experts, num_experts_per_tok and "
+            f"a {cfg['model_type']} config.json needs num_experts, num_experts_per_tok and "
             "moe_intermediate_size"
+        )
+    if cfg["model_type"] == "qwen3_5_moe_text":
+        if "shared_expert_intermediate_size" not in cfg:
+            raise ConfigError(
+                "a qwen3_5_moe_text config.json needs shared_expert_intermediate_size"
+            )
+        return dict(
+            num_experts=int(experts),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
         )
     return dict(
         num_experts=int(experts),
@@ -258,6 +392,30 @@ def _experts_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+    )
+
+
+def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 text config's layer kinds (`layer_types`, else every
+    `full_attention_interval`-th layer is full attention), partial RoPE and Gated DeltaNet
+    shapes; transformers' defaults where the file omits one."""
+    n = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        layer_types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
+        ]
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return dict(
+        layer_types=tuple(layer_types),
+        partial_rotary_factor=float(factor),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
     )
 
 
@@ -273,15 +431,22 @@ def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:
     return tuple(min(max(i, 0), n_layers - 1) for i in ids)
 
 
-def read_rope(cfg: dict[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
+def read_rope(
+    cfg: dict[str, Any], default_theta: float, *, allow_mrope: bool = False
+) -> tuple[float, RopeScaling | None]:
     """RoPE theta and scaling of a HF config.json (a target's or a drafter's), from the old
-    top-level form (`rope_theta`, `rope_scaling`) or the newer `rope_parameters` form."""
+    top-level form (`rope_theta`, `rope_scaling`) or the newer `rope_parameters` form.
+    `allow_mrope` (Qwen3.5): multimodal RoPE (`mrope_section`, `mrope_interleaved`) gives
+    text tokens the same position on its three axes, so on text it IS 1-D RoPE and is read
+    as such; image/video positions are out of scope."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta")))
     theta = float(theta if theta is not None else default_theta)
     spec = scaling if scaling else params
     rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if allow_mrope and rope_type == "mrope":
+        rope_type = "default"
     if rope_type in (None, "default"):
         return theta, None
     if rope_type != "llama3":

@@ -54,16 +54,27 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """HF semantics: normalise in float32, cast back, then scale by the weight."""
+    """HF semantics: normalise in float32, cast back, then scale by the weight. Zero-centred
+    (Qwen3.5): the weight is stored as w and scales by (1 + w), in float32 before the cast."""
 
-    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
-        self.eps = eps
-        self.dtype = dtype
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float,
+        zero_centered: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        self.eps, self.zero_centered, self.dtype = eps, zero_centered, dtype
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
@@ -123,7 +134,9 @@ class AttentionProjections(nnx.Module):
     """The q/k/v/o projections, optional per-head q/k RMSNorm and RoPE of one attention layer.
 
     Shared by the target's attention and the drafter's KV-injected attention, so both compute
-    queries, keys and values the same way.
+    queries, keys and values the same way. Qwen3.5's gated attention (`output_gate`): q_proj
+    also yields, per head, a gate after the Dh query dims, and the attended heads are scaled
+    by sigmoid(gate) before o_proj; its q/k norms are zero-centred.
     """
 
     def __init__(
@@ -135,28 +148,42 @@ class AttentionProjections(nnx.Module):
         *,
         eps: float,
         qk_norm: bool,
-        rope: tuple,  # (head_dim, theta, RopeScaling | None): static, frequencies built at trace
+        rope: tuple,  # (rotated dims, theta, RopeScaling | None): static, built at trace
         rngs: nnx.Rngs,
         dtype,
         param_dtype,
+        output_gate: bool = False,
+        zero_centered_norms: bool = False,
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Dense(dim, num_heads * head_dim, logical_axes=("embed", "q_heads"), **kw)
+        self.output_gate = output_gate
+        q_width = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = Dense(dim, q_width, logical_axes=("embed", "q_heads"), **kw)
         self.k_proj = Dense(dim, num_kv_heads * head_dim, logical_axes=("embed", "kv_heads"), **kw)
         self.v_proj = Dense(dim, num_kv_heads * head_dim, logical_axes=("embed", "kv_heads"), **kw)
         self.o_proj = Dense(num_heads * head_dim, dim, logical_axes=("q_heads", "embed"), **kw)
-        norm_kw = dict(eps=eps, dtype=dtype, param_dtype=param_dtype)
+        norm_kw = dict(
+            eps=eps, zero_centered=zero_centered_norms, dtype=dtype, param_dtype=param_dtype
+        )
         self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
         self.rope = rope
 
     def queries(self, x_BxTxD, positions_BxT):
+        """Normed, rotated queries [B, T, H, Dh] (without the output gate's half)."""
+        return self.gated_queries(x_BxTxD, positions_BxT)[0]
+
+    def gated_queries(self, x_BxTxD, positions_BxT):
+        """(queries [B, T, H, Dh], output gate [B, T, H, Dh] or None)."""
         b, t, _ = x_BxTxD.shape
-        q = self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, self.head_dim)
+        q = self.q_proj(x_BxTxD).reshape(b, t, self.num_heads, -1)
+        q, gate = (
+            (q[..., : self.head_dim], q[..., self.head_dim :]) if self.output_gate else (q, None)
+        )
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, positions_BxT, inverse_frequencies(*self.rope))
+        return apply_rope(q, positions_BxT, inverse_frequencies(*self.rope)), gate
 
     def keys_values(self, x_BxTxD, positions_BxT):
         """Normed, rotated keys and values of any token stream."""
@@ -167,6 +194,8 @@ class AttentionProjections(nnx.Module):
             k = self.k_norm(k)
         return apply_rope(k, positions_BxT, inverse_frequencies(*self.rope)), v
 
-    def output(self, attended_BxTxHxDh):
+    def output(self, attended_BxTxHxDh, gate_BxTxHxDh=None):
         b, t = attended_BxTxHxDh.shape[:2]
+        if gate_BxTxHxDh is not None:
+            attended_BxTxHxDh = attended_BxTxHxDh * jax.nn.sigmoid(gate_BxTxHxDh)
         return self.o_proj(attended_BxTxHxDh.reshape(b, t, -1))

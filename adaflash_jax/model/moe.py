@@ -19,6 +19,9 @@ as any fsdp-sharded weight; decoding keeps them whole on every chip anyway). The
 axes (tensor: each expert's F) stay with the compiler. Values do not change: a token's output
 depends on its own row only.
 
+Qwen3.5-MoE adds a shared expert, a SwiGLU every token takes, scaled by sigmoid(x·w_shared):
+y = Σ_k p_k · expert_k(x) + σ(x·w_shared) · shared(x).
+
 Expert weights are stacked [E, ...] with logical axes `expert` (E), `embed` (D) and
 `expert_mlp` (F), which `sharding/rules.py` places on the mesh.
 """
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from adaflash_jax.model.layers import Dense, normal_init
+from adaflash_jax.model.layers import Dense, SwiGLU, normal_init
 from adaflash_jax.sharding.rows import RowLayout
 
 
@@ -48,8 +51,14 @@ class MoEBlock(nnx.Module):
         rngs: nnx.Rngs,
         dtype,
         param_dtype,
+        shared_hidden: int = 0,
     ):
         self.top_k, self.norm_topk_prob, self.dtype = top_k, norm_topk_prob, dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.shared_expert = SwiGLU(dim, shared_hidden, **kw) if shared_hidden else None
+        self.shared_expert_gate = (
+            Dense(dim, 1, logical_axes=("embed", None), **kw) if shared_hidden else None
+        )
         self.gate = Dense(
             dim,
             num_experts,
@@ -78,16 +87,21 @@ class MoEBlock(nnx.Module):
         )
         x_NxD = x_BxTxD.reshape(b * t, d).astype(self.dtype)
         if rows is None or b % rows.size:
-            return mix(x_NxD, *weights).reshape(b, t, d)
-        split, whole = PartitionSpec(rows.axes), PartitionSpec()
-        local = jax.shard_map(
-            mix,
-            mesh=rows.mesh,
-            in_specs=(split, *(whole,) * len(weights)),
-            out_specs=split,
-            axis_names=set(rows.names),
-        )
-        return local(x_NxD, *weights).reshape(b, t, d)
+            y_BxTxD = mix(x_NxD, *weights).reshape(b, t, d)
+        else:
+            split, whole = PartitionSpec(rows.axes), PartitionSpec()
+            local = jax.shard_map(
+                mix,
+                mesh=rows.mesh,
+                in_specs=(split, *(whole,) * len(weights)),
+                out_specs=split,
+                axis_names=set(rows.names),
+            )
+            y_BxTxD = local(x_NxD, *weights).reshape(b, t, d)
+        if self.shared_expert is None:
+            return y_BxTxD
+        x = x_BxTxD.astype(self.dtype)
+        return y_BxTxD + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def weights(self):
         """(router [D, E], gate [E, D, F], up [E, D, F], down [E, F, D]) parameters."""

@@ -4,7 +4,8 @@ The unit tests' model (`test`), the embedded pretraining targets (`micro`, `tiny
 their vocabulary is the preset's BPE size; `train/presets.py` reads the rest of the shape
 here) and the real targets whose shapes the benchmarks (random weights), the planner and the
 TPU compiles use (`qwen3-1.7b`, `qwen3-8b`, `qwen3-32b`, and the mixture-of-experts
-`qwen3-30b-a3b`, `qwen3-coder-30b-a3b`). Names are CLI names (`--shape`,
+`qwen3-30b-a3b`, `qwen3-coder-30b-a3b`, and the hybrid Gated-DeltaNet `qwen3.5-9b` and
+`qwen3.6-35b-a3b`; `test-hybrid` is the unit tests' hybrid). Names are CLI names (`--shape`,
 `target_shape`): keep them stable. Add a shape by adding an entry.
 """
 
@@ -53,6 +54,39 @@ _MOE_30B = dict(
 )
 PRETRAIN_ROPE = 10_000.0  # the embedded targets' RoPE base
 
+
+def _hybrid(v, d, f, layers, heads, kv, dh, *, every, linear, **kw) -> TargetConfig:
+    """A Qwen3.5 hybrid: every `every`-th layer gated full attention (partial RoPE 0.25),
+    the others Gated DeltaNets of `linear` = (Jk, Dk, J, Dv, taps)."""
+    jk, dk, j, dv, taps = linear
+    kinds = tuple(
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+    )
+    return _dense(
+        v,
+        d,
+        f,
+        layers,
+        heads,
+        kv,
+        dh,
+        model_type=kw.pop("model_type", "qwen3_5_text"),
+        layer_types=kinds,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=jk,
+        linear_key_head_dim=dk,
+        linear_num_value_heads=j,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=taps,
+        **kw,
+    )
+
+
+# Qwen3.5 / Qwen3.6 (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults, which
+# are the 9B's and the 35B-A3B's): V 248320, head_dim 256, θ 1e7, 262144 positions
+_QWEN35 = dict(rope_theta=10_000_000.0, max_position_embeddings=262144)
+_QWEN35_LINEAR = (16, 128, 32, 128, 4)
+
 PRESETS: dict[str, Callable[[], TargetConfig]] = {
     # the unit tests' target (D 32, 2 layers): seconds to compile on a CPU
     "test": lambda: _dense(128, 32, 64, 2, 4, 2, 8),
@@ -65,6 +99,30 @@ PRESETS: dict[str, Callable[[], TargetConfig]] = {
     "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32),
     "qwen3-32b": lambda: _qwen3(5120, 25600, 64, 64),
     "qwen3-30b-a3b": _qwen3_moe,
+    # the hybrid tests' target: linear, full, linear (an attention layer every second; the
+    # parity tests build odd shapes of their own)
+    "test-hybrid": lambda: _hybrid(128, 32, 64, 3, 4, 2, 16, every=2, linear=(2, 8, 4, 8, 4)),
+    "qwen3.5-9b": lambda: _hybrid(
+        248320, 4096, 12288, 32, 16, 4, 256, every=4, linear=_QWEN35_LINEAR, **_QWEN35
+    ),
+    "qwen3.6-35b-a3b": lambda: _hybrid(
+        248320,
+        2048,
+        512,
+        40,
+        16,
+        2,
+        256,
+        every=4,
+        linear=_QWEN35_LINEAR,
+        model_type="qwen3_5_moe_text",
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=512,
+        **_QWEN35,
+    ),
     "qwen3-coder-30b-a3b": lambda: _qwen3_moe(
         rope_theta=10_000_000.0, max_position_embeddings=262144
     ),

@@ -1,4 +1,5 @@
-"""The frozen target LLM: a Llama / Qwen3 / Qwen3-MoE decoder in Flax NNX (docs/design.md §2).
+"""The frozen target LLM: a Llama / Qwen3 / Qwen3-MoE / Qwen3.5 decoder in Flax NNX
+(docs/design.md §2, §2.1).
 
 Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
 H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
@@ -16,6 +17,9 @@ one of two cache modes:
   new entries once, after the switch (`KVCache.write`).
 It can return the outputs of chosen decoder layers, the drafter's context features.
 A Qwen3-MoE layer differs only in its MLP (`model/moe.py`), chosen per layer by the config.
+A hybrid (Qwen3.5) layer's mixer is a Gated DeltaNet (`model/gated_deltanet.py`) or gated
+attention, per `layer_types`; both take the same call, and a DeltaNet's cache is its
+`RecurrentState` ("read" mode returns its per-token entries in `new_recurrent` instead).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
+from adaflash_jax.model.gated_deltanet import GatedDeltaNet
 from adaflash_jax.model.kv_cache import KVCache, write_rows
 from adaflash_jax.model.layers import (
     AttentionProjections,
@@ -51,7 +57,8 @@ class TargetOutput:
     # request order, concatenated
     cache: KVCache | None  # "write" mode: the cache with the new entries, lengths moved
     new_kv: tuple[tuple, tuple] | None = None  # "read" mode: per-layer [B, T, Kv, Dh] keys,
-    # values in the cache dtype, not written
+    # values in the cache dtype, not written (None on a recurrent layer)
+    new_recurrent: tuple = ()  # "read" mode on a hybrid: per layer RecurrentEntries or None
 
 
 class Attention(AttentionProjections):
@@ -63,39 +70,46 @@ class Attention(AttentionProjections):
             cfg.head_dim,
             eps=cfg.rms_norm_eps,
             qk_norm=cfg.qk_norm,
-            rope=(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            rope=(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling),
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
+            output_gate=cfg.is_hybrid,
+            zero_centered_norms=cfg.is_hybrid,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv=None, lengths_B=None):
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv=None, lengths_B=None, _=None):
         """Without `cache_kv`: attention over x under the mask. With the layer's cache
         (k, v) and `mask_BxTxS` ("write" mode): writes the new entries and attends over the
         written cache, returning the updated (k, v). With the cache and the committed
         `lengths_B` instead of a mask ("read" mode): attends over [cache ; new] without
-        writing, returning the new (k, v) in the cache dtype."""
-        q = self.queries(x_BxTxD, positions_BxT)
+        writing, returning the new (k, v) in the cache dtype. The last argument (a row's
+        committed count, which a recurrent mixer needs) is unused: the lengths commit."""
+        q, gate = self.gated_queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
         if cache_kv is None:
-            return self.output(attend(q, k, v, mask_BxTxS)), None
+            return self.output(attend(q, k, v, mask_BxTxS), gate), None
         cache_k, cache_v = cache_kv
         if lengths_B is None:
             k_all = write_rows(cache_k, k, positions_BxT)
             v_all = write_rows(cache_v, v, positions_BxT)
             out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxS)
-            return self.output(out), (k_all, v_all)
+            return self.output(out, gate), (k_all, v_all)
         k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
         out = attend_cached(q, cache_k, cache_v, lengths_B, k.astype(q.dtype), v.astype(q.dtype))
-        return self.output(out), (k, v)
+        return self.output(out, gate), (k, v)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype, chunk):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        norm_kw = dict(
+            eps=cfg.rms_norm_eps, zero_centered=cfg.is_hybrid, dtype=dtype, param_dtype=param_dtype
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
-        self.self_attn = Attention(cfg, **kw)
+        linear = cfg.is_linear_layer(layer)
+        self.self_attn = None if linear else Attention(cfg, **kw)
+        self.linear_attn = GatedDeltaNet(cfg, chunk=chunk, **kw) if linear else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
         if cfg.is_moe_layer(layer):
             self.mlp = MoEBlock(
@@ -104,17 +118,20 @@ class DecoderLayer(nnx.Module):
                 cfg.num_experts,
                 cfg.num_experts_per_tok,
                 norm_topk_prob=cfg.norm_topk_prob,
+                shared_hidden=cfg.shared_expert_intermediate_size,
                 **kw,
             )
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, mask, cache_kv=None, lengths_B=None, rows=None):
-        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, lengths_B)
-        x = x + attn
+    def __call__(self, x, positions, mask, cache=None, lengths_B=None, advance_B=None, rows=None):
+        """`cache`: this layer's (k, v) or RecurrentState; returns (x, its new cache part)."""
+        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
+        mixed, new = mixer(self.input_layernorm(x), positions, mask, cache, lengths_B, advance_B)
+        x = x + mixed
         h = self.post_attention_layernorm(x)
         x = x + (self.mlp(h, rows) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
-        return x, kv
+        return x, new
 
 
 class TargetLM(nnx.Module):
@@ -125,7 +142,9 @@ class TargetLM(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        chunk: int = DEFAULT_CHUNK,
     ):
+        """`chunk`: the Gated DeltaNet's chunk length for training and prefill (hybrids)."""
         self.config = config
         self.dtype = dtype
         self.embed_tokens = nnx.Param(
@@ -134,12 +153,18 @@ class TargetLM(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                DecoderLayer(
+                    config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype, chunk=chunk
+                )
                 for i in range(config.num_hidden_layers)
             ]
         )
         self.norm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+            config.hidden_size,
+            eps=config.rms_norm_eps,
+            zero_centered=config.is_hybrid,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
         self.lm_head = (
             None
@@ -178,7 +203,14 @@ class TargetLM(nnx.Module):
         return jnp.dot(hidden_BxTxD.astype(self.dtype), self.lm_head_DxV().astype(self.dtype))
 
     def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+        """K/V for attention layers (in `dtype`), a float32 RecurrentState for DeltaNets."""
         cfg = self.config
+        recurrent = ()
+        if cfg.is_hybrid:
+            recurrent = tuple(
+                None if layer.linear_attn is None else layer.linear_attn.init_state(batch)
+                for layer in self.layers
+            )
         return KVCache.create(
             num_layers=cfg.num_hidden_layers,
             batch=batch,
@@ -186,6 +218,7 @@ class TargetLM(nnx.Module):
             kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             dtype=dtype or self.dtype,
+            recurrent=recurrent,
         )
 
     def __call__(
@@ -221,6 +254,9 @@ class TargetLM(nnx.Module):
                 )
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+        if segment_ids_BxT is not None and self.config.is_hybrid:
+            raise ValueError("packed segments would share a recurrent state: unpack for hybrids")
+        advance_B = None if num_new_B is None else num_new_B.astype(jnp.int32)
         lengths_B = mask_BxTxS = None
         if cache is not None:
             positions_BxT = cache.positions(t)
@@ -237,24 +273,27 @@ class TargetLM(nnx.Module):
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
         x = constrain_rows(rows, self.embed(tokens_BxT), b)
-        features, ks, vs = {}, [], []
+        features, ks, vs, states = {}, [], [], []
         for i, layer in enumerate(self.layers):
-            layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x, kv = layer(x, positions_BxT, mask_BxTxS, layer_kv, lengths_B, rows)
+            layer_cache = cache.layer(i) if cache is not None else None
+            x, new = layer(x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, advance_B, rows)
             x = constrain_rows(rows, x, b)
-            if kv is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
+            recurrent = layer.linear_attn is not None
+            k_new, v_new = (None, None) if recurrent or new is None else new
+            ks.append(k_new)
+            vs.append(v_new)
+            states.append(new if recurrent else None)
             if i in feature_layers:
                 features[i] = self.feature(i, x)
         hidden = self.norm(x)
-        new_cache = new_kv = None
+        new_cache, new_kv = None, None
+        states = tuple(states) if self.config.is_hybrid else ()
         if cache is not None and cache_mode == "read":
             new_kv = (tuple(ks), tuple(vs))
         elif cache is not None:
-            advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+            advance = jnp.full((b,), t, jnp.int32) if advance_B is None else advance_B
             new_cache = KVCache(
-                k=tuple(ks), v=tuple(vs), lengths=cache.lengths + advance.astype(jnp.int32)
+                k=tuple(ks), v=tuple(vs), lengths=cache.lengths + advance, recurrent=states
             )
         feats = (
             jnp.concatenate([features[i] for i in feature_layers], axis=-1)
@@ -267,4 +306,5 @@ class TargetLM(nnx.Module):
             features_BxTxnD=feats,
             cache=new_cache,
             new_kv=new_kv,
+            new_recurrent=states if cache_mode == "read" else (),
         )

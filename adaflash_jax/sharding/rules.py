@@ -28,6 +28,9 @@ TRAIN_RULES: Rules = {
     "mlp": "tensor",
     "expert": "fsdp",  # whole experts per fsdp shard (gathered per layer, as any fsdp weight)
     "expert_mlp": "tensor",
+    "linear_qkv": "tensor",  # a Gated DeltaNet's q/k/v channels, value dims, value heads
+    "linear_v": "tensor",
+    "linear_heads": "tensor",
     "features": "fsdp",
     "norm": None,
     "head_hidden": None,
@@ -48,6 +51,9 @@ DECODE_RULES: Rules = {
     "mlp": "tensor",
     "expert": None,
     "expert_mlp": "tensor",
+    "linear_qkv": "tensor",
+    "linear_v": "tensor",
+    "linear_heads": "tensor",
     "features": None,
     "norm": None,
     "head_hidden": None,

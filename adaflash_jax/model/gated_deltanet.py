@@ -1,0 +1,131 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5 / Qwen3.6 (docs/design.md §2.1).
+
+Dimensions: B batch, T new tokens per row, D model, X = 2·Jk·Dk + J·Dv conv channels, A conv
+taps, Jk key heads, J value heads (J/Jk value heads share a key head), Dk / Dv head dims.
+
+Per token: x → in_proj_qkv → a causal depthwise conv over the last A inputs → SiLU → q, k, v;
+z = in_proj_z(x); β = sigmoid(in_proj_b(x)); g = −exp(A_log)·softplus(in_proj_a(x) + dt_bias);
+q and k L2-normalised and repeated to the value heads; the gated delta rule
+(`model/delta_rule.py`); a gated RMSNorm with z per value head; out_proj. Transformers'
+`Qwen3_5GatedDeltaNet` is the reference; its parameter names are kept.
+
+The call has the attention layer's shape (`model/target.py` runs one layer loop over both):
+- no cache (training): the chunked form from a zero state;
+- "write" cache mode (prefill, plain decoding): from the layer's `RecurrentState`, the first
+  `advance_B[b]` tokens of row b move it (padding past them does not), returning the new state;
+  the recurrent form for one token, the chunked form for more;
+- "read" cache mode (verify): outputs from the state, which is left as it was; returns the
+  `RecurrentEntries` that `RecurrentState.advance` replays once acceptance is known.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from adaflash_jax.model.delta_rule import (
+    DEFAULT_CHUNK,
+    chunked_form,
+    l2_normalize,
+    recurrent_form,
+)
+from adaflash_jax.model.layers import Dense
+from adaflash_jax.model.recurrent_state import RecurrentEntries, RecurrentState, shift_history
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm of x (float32, cast back, scaled by w: weights start at one), times silu(gate)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+        self.eps, self.dtype = eps, dtype
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x, gate):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        out = self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+        return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(self.dtype)
+
+
+def causal_conv(history_BxA1xX, new_BxTxX, weight_XxA):
+    """Depthwise causal conv of the new inputs over [history ; new], then SiLU: output t is
+    Σ_a w[:, a] · input[t − (A − 1) + a]."""
+    t, taps = new_BxTxX.shape[1], weight_XxA.shape[1]
+    seq_BxA1TxX = jnp.concatenate([history_BxA1xX.astype(new_BxTxX.dtype), new_BxTxX], axis=1)
+    out_BxTxX = sum(seq_BxA1TxX[:, a : a + t] * weight_XxA[:, a] for a in range(taps))
+    return jax.nn.silu(out_BxTxX)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg, *, rngs, dtype, param_dtype, chunk: int = DEFAULT_CHUNK):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype, self.chunk = dtype, chunk
+        self.key_heads, self.heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.taps = cfg.linear_conv_kernel_dim
+        d, j = cfg.hidden_size, self.heads
+        self.channels = 2 * self.key_heads * self.key_dim + j * self.value_dim
+        self.in_proj_qkv = Dense(d, self.channels, logical_axes=("embed", "linear_qkv"), **kw)
+        self.in_proj_z = Dense(d, j * self.value_dim, logical_axes=("embed", "linear_v"), **kw)
+        self.in_proj_b = Dense(d, j, logical_axes=("embed", "linear_heads"), **kw)
+        self.in_proj_a = Dense(d, j, logical_axes=("embed", "linear_heads"), **kw)
+        conv = 0.2 * jax.random.normal(rngs.params(), (self.channels, 1, self.taps), jnp.float32)
+        self.conv1d = nnx.Param(conv.astype(param_dtype), logical_axes=("linear_qkv", None, None))
+        a_log = jnp.log(jax.random.uniform(rngs.params(), (j,), jnp.float32, 1.0, 16.0))
+        self.A_log = nnx.Param(a_log.astype(param_dtype), logical_axes=("linear_heads",))
+        self.dt_bias = nnx.Param(jnp.ones((j,), param_dtype), logical_axes=("linear_heads",))
+        self.norm = GatedRMSNorm(
+            self.value_dim, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+        self.out_proj = Dense(j * self.value_dim, d, logical_axes=("linear_v", "embed"), **kw)
+
+    def init_state(self, batch: int) -> RecurrentState:
+        return RecurrentState.create(
+            batch=batch,
+            taps=self.taps,
+            channels=self.channels,
+            heads=self.heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+        )
+
+    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, advance_B=None):
+        """Same shape as the attention layer's call; `cache` is this layer's RecurrentState.
+        Returns (output [B, T, D], the new state ("write"), the entries ("read") or None)."""
+        b, t, _ = x_BxTxD.shape
+        state = self.init_state(b) if cache is None else cache
+        qkv_BxTxX = self.in_proj_qkv(x_BxTxD)
+        mixed_BxTxX = causal_conv(state.history_BxA1xX, qkv_BxTxX, self.conv1d[...][:, 0])
+        kd = self.key_heads * self.key_dim
+        repeat = self.heads // self.key_heads
+        q = mixed_BxTxX[..., :kd].reshape(b, t, self.key_heads, self.key_dim)
+        k = mixed_BxTxX[..., kd : 2 * kd].reshape(b, t, self.key_heads, self.key_dim)
+        v_BxTxJxDv = mixed_BxTxX[..., 2 * kd :].reshape(b, t, self.heads, self.value_dim)
+        q_BxTxJxDk = jnp.repeat(l2_normalize(q), repeat, axis=2)
+        k_BxTxJxDk = jnp.repeat(l2_normalize(k), repeat, axis=2)
+        beta_BxTxJ = jax.nn.sigmoid(self.in_proj_b(x_BxTxD).astype(jnp.float32))
+        a_BxTxJ = self.in_proj_a(x_BxTxD).astype(jnp.float32)
+        decay_J = jnp.exp(self.A_log[...].astype(jnp.float32))
+        g_BxTxJ = -decay_J * jax.nn.softplus(a_BxTxJ + self.dt_bias[...].astype(jnp.float32))
+        entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
+        new = None
+        if lengths_B is not None:  # "read": nothing moves; the caller replays `entries`
+            g_w, beta_w, new = g_BxTxJ, beta_BxTxJ, entries
+        else:  # tokens past a row's advance leave its state alone
+            n_B = jnp.full((b,), t, jnp.int32) if advance_B is None else advance_B
+            keep_BxTx1 = (jnp.arange(t)[None, :] < n_B[:, None])[..., None]
+            g_w, beta_w = (
+                jnp.where(keep_BxTx1, g_BxTxJ, 0.0),
+                jnp.where(keep_BxTx1, beta_BxTxJ, 0.0),
+            )
+        form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_w, beta_w, state.state_BxJxDkxDv)
+        if t == 1:
+            out_BxTxJxDv, final = recurrent_form(*form_args)
+        else:
+            out_BxTxJxDv, final = chunked_form(*form_args, chunk=self.chunk)
+        if cache is not None and lengths_B is None:
+            new = RecurrentState(shift_history(state.history_BxA1xX, qkv_BxTxX, n_B), final)
+        z_BxTxJxDv = self.in_proj_z(x_BxTxD).reshape(b, t, self.heads, self.value_dim)
+        normed = self.norm(out_BxTxJxDv.astype(self.dtype), z_BxTxJxDv)
+        return self.out_proj(normed.reshape(b, t, -1)), new
