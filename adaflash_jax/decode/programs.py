@@ -53,7 +53,7 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
     n, capacity = prompt_IxQ.shape[0], s.target_cache.capacity
     s = constrain_rows(spec.rows, s, s.done_B.shape[0])
     prompt_IxQ = constrain_rows(spec.rows, prompt_IxQ, n)
-    fresh = target.init_cache(n, capacity, dtype=s.target_cache.k[0].dtype)
+    fresh = target.init_cache(n, capacity, dtype=s.target_cache.dtype)
     out = target(
         prompt_IxQ,
         cache=constrain_rows(spec.rows, fresh, n),
@@ -68,7 +68,7 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
     first_I = pick_tokens(key, logits_IxV, s.temperature, spec.top_p(s), greedy=spec.greedy)
     ctx = s.context_cache
     if drafter is not None:
-        fresh = drafter.init_context_cache(n, capacity, dtype=ctx.k[0].dtype)
+        fresh = drafter.init_context_cache(n, capacity, dtype=ctx.dtype)
         fresh = constrain_rows(spec.rows, fresh, n)
         entries = drafter.context_entries(fresh, out.features_BxTxnD)
         ctx = _scatter_rows(ctx, fresh.write(*entries, advance=prompt_len_I), slots_I)

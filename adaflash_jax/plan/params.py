@@ -134,7 +134,9 @@ def target_layer_params(cfg: TargetConfig) -> list[ParamSpec]:
 
 def _target_layer(cfg: TargetConfig, layer: int, prefix: str) -> list[ParamSpec]:
     """Target layer `layer`: a Qwen3/Llama layer, its MLP swapped for the router and the
-    stacked experts (`model/moe.py`) when the layer is sparse."""
+    stacked experts (`model/moe.py`, plus a shared expert on Qwen3.5-MoE) when the layer is
+    sparse, its attention for a Gated DeltaNet on a hybrid's linear layers, and a gated q_proj
+    (2·H·Dh wide) on a hybrid's full attention ones."""
     d, moe = cfg.hidden_size, cfg.is_moe_layer(layer)
     p = _decoder_layer(
         prefix,
@@ -145,15 +147,52 @@ def _target_layer(cfg: TargetConfig, layer: int, prefix: str) -> list[ParamSpec]
         cfg.head_dim,
         cfg.qk_norm,
     )
+    if cfg.is_linear_layer(layer):
+        p = [s for s in p if s.name.endswith(_MLP_AND_NORMS)] + _gated_deltanet(cfg, prefix)
+    elif cfg.is_hybrid:
+        q = ParamSpec(
+            prefix + "q_proj", (d, 2 * cfg.num_attention_heads * cfg.head_dim), ("embed", "q_heads")
+        )
+        p = [q if s.name == q.name else s for s in p]
     if not moe:
         return p
     e, f = cfg.num_experts, cfg.moe_intermediate_size
     p = [s for s in p if not s.name.endswith(("gate_proj", "up_proj", "down_proj"))]
-    return p + [
+    p += [
         ParamSpec(prefix + "gate", (d, e), ("embed", None)),
         ParamSpec(prefix + "experts.gate_proj", (e, d, f), ("expert", "embed", "expert_mlp")),
         ParamSpec(prefix + "experts.up_proj", (e, d, f), ("expert", "embed", "expert_mlp")),
         ParamSpec(prefix + "experts.down_proj", (e, f, d), ("expert", "expert_mlp", "embed")),
+    ]
+    if fs := cfg.shared_expert_intermediate_size:
+        p += [
+            ParamSpec(prefix + "shared.gate_proj", (d, fs), ("embed", "mlp")),
+            ParamSpec(prefix + "shared.up_proj", (d, fs), ("embed", "mlp")),
+            ParamSpec(prefix + "shared.down_proj", (fs, d), ("mlp", "embed")),
+            ParamSpec(prefix + "shared_expert_gate", (d, 1), ("embed", None)),
+        ]
+    return p
+
+
+_MLP_AND_NORMS = ("layernorm", "gate_proj", "up_proj", "down_proj")
+
+
+def _gated_deltanet(cfg: TargetConfig, prefix: str) -> list[ParamSpec]:
+    """A Gated DeltaNet's arrays (`model/gated_deltanet.py`)."""
+    d, j, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    x = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + j * dv
+    return [
+        ParamSpec(prefix + "in_proj_qkv", (d, x), ("embed", "linear_qkv")),
+        ParamSpec(prefix + "in_proj_z", (d, j * dv), ("embed", "linear_v")),
+        ParamSpec(prefix + "in_proj_b", (d, j), ("embed", "linear_heads")),
+        ParamSpec(prefix + "in_proj_a", (d, j), ("embed", "linear_heads")),
+        ParamSpec(
+            prefix + "conv1d", (x, 1, cfg.linear_conv_kernel_dim), ("linear_qkv", None, None)
+        ),
+        ParamSpec(prefix + "A_log", (j,), ("linear_heads",)),
+        ParamSpec(prefix + "dt_bias", (j,), ("linear_heads",)),
+        ParamSpec(prefix + "linear_norm", (dv,), ("norm",)),
+        ParamSpec(prefix + "out_proj", (j * dv, d), ("linear_v", "embed")),
     ]
 
 
