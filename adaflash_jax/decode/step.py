@@ -5,7 +5,9 @@ Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
 A drafted step: the drafter proposes K−1 tokens after each row's bonus, the policy asks for
 widths, the target verifies at the bucket, row b accepts n_b drafts and commits n_b + 1
 tokens (drafts + a new bonus); both caches take the new entries and move their lengths by
-n_b + 1 in one place (`KVCache.write`): the rollback of the rejected rest. A plain step (no
+n_b + 1 in one place (`KVCache.write`): the rollback of the rejected rest. On a hybrid target
+that write also replays each row's n_b + 1 accepted tokens through its Gated DeltaNet states
+(docs/design.md §5.2), so no state is kept per verified position. A plain step (no
 drafter, or a policy's undrafted step) runs the target over each row's bonus in "write"
 cache mode and picks the next token.
 """
@@ -50,7 +52,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
     drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
-    accepted_B, bonus_B, target_kv, context_kv, bucket = verify(
+    accepted_B, bonus_B, target_kv, context_kv, recurrent, bucket = verify(
         target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key_accept
     )
     accepted_B = jnp.where(active_B, accepted_B, 0)
@@ -62,7 +64,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     s = record(s, active_B, accepted_B, bucket, width_B)
     outcome = Outcome(verified_B=active_B, width_B=width_B, accepted_B=accepted_B)
     return s.replace(
-        target_cache=s.target_cache.write(*target_kv, advance=advance_B),
+        target_cache=s.target_cache.write(*target_kv, advance=advance_B, recurrent=recurrent),
         context_cache=s.context_cache.write(*context_kv, advance=advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         policy_state=spec.policy.observe(outcome, policy_state),

@@ -10,6 +10,9 @@ every step; see `model/target.py`) and accepts there: the logits never leave the
 (padding [B, W, V] to K and accepting over K would cost as much as the forward at small
 widths). It computes the drafter-context entries of its (at most W) committable tokens too,
 and returns both caches' new entries padded to K; the step writes them after the switch.
+On a hybrid target the Gated DeltaNet layers return their per-token recurrence inputs
+instead of keys/values (`model/recurrent_state.py`), padded the same way: the write replays
+each row's accepted prefix of them, so the state ends at the row's own accepted length.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import jax
 import jax.numpy as jnp
 
 
-def _pad_to(k: int, kv):
-    """Per-layer entries [B, W, Kv, Dh] zero-padded to [B, K, Kv, Dh]."""
-    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, k - x.shape[1]), (0, 0), (0, 0)]), kv)
+def _pad_to(k: int, entries):
+    """Per-token entries [B, W, ...] (any pytree of them) zero-padded to [B, K, ...]."""
+    return jax.tree.map(
+        lambda x: jnp.pad(x, [(0, 0), (0, k - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), entries
+    )
 
 
 def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
     """Returns (accepted_B, bonus_B, the target's new (k, v) and the drafter context's, each
-    per layer [B, K, Kv, Dh] with zeros past the bucket, and the bucket W)."""
+    per layer [B, K, Kv, Dh] with zeros past the bucket, the target's per-layer recurrent
+    entries (() unless hybrid), and the bucket W)."""
     k = spec.block_size
 
     def branch(w, target_cache):
@@ -44,8 +50,8 @@ def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
         accepted_B, bonus_B = spec.accept_fn(
             key, tokens_BxK[:, 1:w], q_BxWm1xV, logits_BxWxV, width_B, s.temperature, spec.top_p(s)
         )
-        kv = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv)
-        return accepted_B.astype(jnp.int32), bonus_B.astype(jnp.int32), *kv
+        new = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv), _pad_to(k, out.new_recurrent)
+        return accepted_B.astype(jnp.int32), bonus_B.astype(jnp.int32), *new
 
     buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
     bucket = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
