@@ -49,6 +49,7 @@ TEXT = dict(
     pad_token_id=0,
 )
 VARIANTS = ("dense_tied", "multimodal", "moe")
+PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _hf_model(variant: str):
@@ -192,29 +193,33 @@ def test_chunked_form_equals_recurrent_form():
         np.testing.assert_allclose(np.asarray(final), np.asarray(want_state), atol=2e-5)
 
 
-def test_per_expert_checkpoint_and_save_round_trip(hf_dirs, tokens, tmp_path):
-    """Experts stored one tensor each (as published checkpoints) load as the fused ones do;
-    `save_target` writes a checkpoint transformers reads back to the same logits."""
+def test_fused_expert_checkpoint_and_save_round_trip(hf_dirs, tokens, tmp_path):
+    """Experts fused per layer (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj`
+    [E, D, F]) load as the one-tensor-per-expert layout transformers wrote does, also read
+    slice by slice onto 8 devices; `save_target` writes a checkpoint transformers reads back
+    to the same logits."""
     hf_model, path = hf_dirs["moe"]
     f = SafetensorsFile(path + "/model.safetensors")
-    tensors = {}
-    for name in f.keys():
-        arr = np.asarray(f.get(name))
-        if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
-            head, part = name.rsplit(".experts.", 1)
-            parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[part]
-            for e in range(arr.shape[0]):
-                for p, piece in zip(parts, np.split(arr[e], len(parts), axis=0)):
-                    tensors[f"{head}.experts.{e}.{p}.weight"] = piece
-        else:
-            tensors[name] = arr
-    split = tmp_path / "per_expert"
-    split.mkdir()
-    save_file(tensors, str(split / "model.safetensors"))
-    (split / "config.json").write_text(open(path + "/config.json").read())
+    tensors = {n: np.asarray(f.get(n)) for n in f.keys()}
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in tensors  # per expert as written
+    for layer in range(4):
+        head = f"model.layers.{layer}.mlp.experts"
+        part = {p: [tensors.pop(f"{head}.{e}.{p}.weight") for e in range(4)] for p in PARTS}
+        gate_up = [np.concatenate([g, u]) for g, u in zip(part["gate_proj"], part["up_proj"])]
+        tensors[f"{head}.gate_up_proj"] = np.stack(gate_up)
+        tensors[f"{head}.down_proj"] = np.stack(part["down_proj"])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(tensors, str(fused / "model.safetensors"))
+    (fused / "config.json").write_text(open(path + "/config.json").read())
     a = load_target(path)(jnp.asarray(tokens)).logits_BxTxV
-    b = load_target(split)(jnp.asarray(tokens)).logits_BxTxV
+    b = load_target(fused)(jnp.asarray(tokens)).logits_BxTxV
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sharded = load_target(fused, mesh=_mesh((1, 8), ("data", "tensor")), rules=DECODE_RULES)
+    np.testing.assert_array_equal(
+        np.asarray(sharded.layers[1].mlp.up_proj[...]),
+        np.asarray(load_target(path).layers[1].mlp.up_proj[...]),
+    )
     for variant in ("moe", "multimodal"):  # multimodal saves as its text CausalLM
         hf_model, path = hf_dirs[variant]
         out = tmp_path / f"saved_{variant}"

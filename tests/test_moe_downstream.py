@@ -1,6 +1,8 @@
-"""A tiny Qwen3-MoE target through the unchanged CLIs: init_drafter, generate (plain and
-speculative: greedy outputs equal), distill (stage 1 → head init → one stage-2 round, export
-loads), experiments.export; and the default feature layers of a 48-layer target."""
+"""A tiny hybrid Qwen3.5-MoE target (Gated DeltaNet and gated attention layers, routed experts
+plus a shared expert) through the unchanged CLIs: init_drafter, generate (plain and
+speculative: greedy outputs equal), distill --target (stage 1 → head init → one stage-2 round
+collected through the engine, τ, export loads), experiments.export; and the default feature
+layers of the 48-layer Qwen3-30B-A3B and the Qwen3.5 / Qwen3.6 hybrids."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from flax import nnx
 from adaflash_jax.drafter.checkpoint import load_drafter
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.checkpoint import save_target
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.tokenizer import CHATML_TEMPLATE, write_byte_tokenizer
 from experiments import distill as distill_cli
@@ -26,7 +28,7 @@ from adaflash_jax.distill.config import *
 
 def get_config():
     return RunConfig(
-        name="moe_micro", target_path={target!r}, batch_size=8, seq_len=32, num_anchors=4,
+        name="moe_micro", batch_size=8, seq_len=32, num_anchors=4,
         log_every=1,
         data=DataSpec(train_prompts={prompts!r}, eval_prompts={prompts!r}, train_per_domain=4,
                       eval_per_domain=2, max_prompt_len=12, max_new_tokens=12, regen_batch=8),
@@ -41,27 +43,23 @@ def get_config():
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """A random 3-layer MoE target (5 experts, top 2; layer 1 dense) with a byte tokenizer,
-    and a 1-layer drafter for it from init_drafter."""
+    """A random 3-layer hybrid MoE target (DeltaNet, attention, DeltaNet; 5 experts, top 2,
+    and a shared expert) with a byte tokenizer, and a 1-layer drafter for it from
+    init_drafter."""
     root = tmp_path_factory.mktemp("moe_cli")
     target = str(root / "target")
     vocab = write_byte_tokenizer(target, chat_template=CHATML_TEMPLATE)
-    cfg = TargetConfig(
-        model_type="qwen3_moe",
+    cfg = target_preset(
+        "test-hybrid",
+        model_type="qwen3_5_moe_text",
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         max_position_embeddings=128,
         eos_token_id=256,
         num_experts=5,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
         norm_topk_prob=True,
-        mlp_only_layers=(1,),
+        shared_expert_intermediate_size=24,
     )
     save_target(TargetLM(cfg, rngs=nnx.Rngs(0)), target)
     drafter = str(root / "drafter")
@@ -79,7 +77,7 @@ def test_init_drafter_reads_the_moe_target(dirs):
     drafter = load_drafter(dirs["drafter"])
     assert drafter.config.num_target_layers == 3
     assert drafter.config.target_layer_ids == (1, 0)  # docs/design.md §2 defaults for L = 3, n = 2
-    assert drafter.config.intermediate_size == 64  # the target's dense MLP width (DFlash shape)
+    assert drafter.config.intermediate_size == 64  # the target's MLP width (DFlash shape)
 
 
 def test_speculative_greedy_equals_plain(dirs, capsys):
@@ -91,7 +89,7 @@ def test_speculative_greedy_equals_plain(dirs, capsys):
     assert all(len(r["output_ids"]) >= 1 and r["steps"] >= 1 for r in spec)
 
 
-def test_distill_and_export_with_a_moe_target(dirs):
+def test_distill_and_export_with_a_hybrid_moe_target(dirs):
     root = dirs["root"]
     prompts = str(root / "prompts.jsonl")
     with open(prompts, "w") as f:
@@ -101,7 +99,8 @@ def test_distill_and_export_with_a_moe_target(dirs):
     with open(config, "w") as f:
         f.write(CONFIG.format(target=dirs["target"], prompts=prompts))
     run_dir = str(root / "run")
-    assert distill_cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    argv = ["--config", config, "--run-dir", run_dir, "--target", dirs["target"], "--no-progress"]
+    assert distill_cli.main(argv) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert set(report["tau"]) == {"stage1", "adaflash"}
@@ -115,21 +114,40 @@ def test_distill_and_export_with_a_moe_target(dirs):
 
 def test_default_feature_layers_of_a_48_layer_target():
     """Qwen3-(Coder-)30B-A3B: the reference drafter reads target layers [1, 12, 23, 34, 45]."""
-    from adaflash_jax.model.presets import target_preset as shape_config
-
-    target = shape_config("qwen3-30b-a3b")
+    target = target_preset("qwen3-30b-a3b")
     assert target.num_hidden_layers == 48 and all(map(target.is_moe_layer, range(48)))
     dcfg = DrafterConfig.for_target(target, mask_token_id=151669, num_layers=8)
     assert dcfg.target_layer_ids == (1, 12, 23, 34, 45)
     assert (dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_key_value_heads) == (2048, 6144, 4)
 
 
+def test_default_feature_layers_and_drafter_of_the_hybrids():
+    """Qwen3.5-9B (32 layers): the reference's configs/qwen3.5-9b-dflash-thresh-head.json reads
+    target layers [1, 8, 15, 22, 29] with 32 q / 8 kv heads of 128, MLP 12288, θ 1e7, vocab
+    248320; Qwen3.6-35B-A3B (40 layers) gets [1, 10, 19, 28, 37]. A feature is the residual
+    stream after its layer, DeltaNet or attention alike."""
+    nine = target_preset("qwen3.5-9b")
+    dcfg = DrafterConfig.for_target(nine, mask_token_id=248070, heads=(32, 8, 128))
+    assert dcfg.target_layer_ids == (1, 8, 15, 22, 29)
+    assert [nine.layer_types[i] for i in (1, 8, 15)] == ["linear_attention"] * 3
+    assert (dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim) == (32, 8, 128)
+    assert (dcfg.intermediate_size, dcfg.rope_theta, dcfg.vocab_size) == (12288, 1e7, 248320)
+    moe = target_preset("qwen3.6-35b-a3b")
+    assert DrafterConfig.for_target(moe, mask_token_id=248070).target_layer_ids == (
+        1,
+        10,
+        19,
+        28,
+        37,
+    )
+
+
 def test_mfu_counts_active_expert_flops():
     """A token multiplies the router and its k experts only: tiny-moe (8 experts of F 64,
     2 per token) costs its dense twin (F 128) plus the router, 2·D·E per token per layer."""
     from adaflash_jax.aot import flops
-    from adaflash_jax.model.presets import target_preset as shape_config
 
+    shape_config = target_preset
     moe, dense = shape_config("micro-moe"), shape_config("micro")
     b, s = 3, 40
     extra = flops.target_forward(moe, b, s) - flops.target_forward(dense, b, s)

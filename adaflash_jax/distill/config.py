@@ -86,10 +86,22 @@ class DraftSpec:
     # Width of the length head's per-position acceptance network (0: none). With init_from
     # it must equal the import's (an import without one gets a fresh DEFAULT_ACCEPT_DIM one).
     accept_dim: int = DEFAULT_ACCEPT_DIM
+    # The drafter's attention (H, Kv, Dh) and MLP width; None: the target's (DFlash shape).
+    # The reference's Qwen3.5-9B drafter: heads (32, 8, 128) over the target's (16, 4, 256).
+    heads: tuple[int, int, int] | None = None
+    intermediate_size: int | None = None
 
     def __post_init__(self):
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        if self.heads is not None:
+            object.__setattr__(self, "heads", tuple(self.heads))
+            if len(self.heads) != 3 or min(self.heads) <= 0 or self.heads[0] % self.heads[1]:
+                raise ConfigError(
+                    f"draft.heads must be (H, Kv, Dh), positive, H a multiple of Kv: {self.heads}"
+                )
+        if self.intermediate_size is not None:
+            _positive("draft", self, "intermediate_size")
         _positive("draft", self, "layers", "num_features")
         _positive("draft", self, "accept_dim", allow_zero=True)
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:

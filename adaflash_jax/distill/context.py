@@ -83,6 +83,8 @@ def run_drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int 
         target_layer_ids=d.target_layer_ids,
         length_head=True,
         accept_dim=d.accept_dim,
+        heads=d.heads,
+        intermediate_size=d.intermediate_size,
     )
 
 

@@ -131,23 +131,33 @@ class DrafterConfig:
         accept_dim: int = 0,
         layer_types: tuple[str, ...] | None = None,
         sliding_window: int | None = None,
+        heads: tuple[int, int, int] | None = None,
+        intermediate_size: int | None = None,
     ) -> DrafterConfig:
         """A drafter shaped like its target (DFlash: same width and heads as the target).
 
         `accept_dim` > 0 gives the length head a per-position acceptance output;
         `layer_types` / `sliding_window` make some layers sliding-window (docs/design.md §3).
+        `heads` (H, Kv, Dh) and `intermediate_size` override the target's: the reference's
+        Qwen3.5-9B drafter has 32 q / 8 kv heads of 128 where its target has 16 / 4 of 256,
+        and a MoE target may have no dense MLP width to copy.
         """
         if accept_dim and not length_head:
             raise ConfigError(f"accept_dim={accept_dim} needs length_head=True")
         if target_layer_ids is None:
             target_layer_ids = target.default_feature_layers(num_features)
+        h, kv, dh = heads or (
+            target.num_attention_heads,
+            target.num_key_value_heads,
+            target.head_dim,
+        )
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
             num_hidden_layers=num_layers,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim,
+            num_attention_heads=h,
+            num_key_value_heads=kv,
+            head_dim=dh,
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,

@@ -135,23 +135,37 @@ def fused_expert_names(names: list[str]) -> tuple[str, str]:
     return f"{head}.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}", part
 
 
-def _fused_expert_view(files, names: list[str], want: tuple[int, ...]) -> np.ndarray:
-    """Our stacked [E, in, out] expert weight as a (lazy) view of a fused tensor."""
+class _FusedExperts:
+    """Our stacked [E, in, out] expert weight read lazily from rows [start, stop) of a fused
+    HF tensor [E, out·parts, in]: a device reads only its slice, as for any other tensor."""
+
+    def __init__(self, view, start: int, stop: int):
+        self._view, self._start = view, start
+        self.shape = (view.shape[0], view.shape[2], stop - start)
+        self.ndim = 3
+
+    def __getitem__(self, index) -> np.ndarray:
+        experts, inner, outer = index
+        lo, hi, step = outer.indices(self.shape[2])
+        rows = slice(self._start + lo, self._start + hi, step)
+        return np.asarray(self._view[experts, rows, inner]).transpose(0, 2, 1)
+
+
+def _fused_expert_view(files, names: list[str], want: tuple[int, ...]) -> _FusedExperts:
+    """Our stacked [E, in, out] expert weight as a lazy view of its fused tensor."""
     fused, part = fused_expert_names(names)
     f = files[fused]
     e, d_in, d_out = want
-    hf_want = (e, 2 * d_out, d_in) if part != "down" else (e, d_out, d_in)
+    hf_want = (e, d_out, d_in) if part == "down" else (e, 2 * d_out, d_in)
     if f.shape(fused) != hf_want:
         raise CheckpointError(
             f"tensor {fused!r} has shape {list(f.shape(fused))} but config.json implies "
             f"{list(hf_want)}"
         )
-    arr = f.get(fused)
-    if part == "gate":
-        arr = arr[:, :d_out]
-    elif part == "up":
-        arr = arr[:, d_out:]
-    return arr.transpose(0, 2, 1)
+    if f.dtype(fused) not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {fused!r} has dtype {f.dtype(fused)}; expected a float")
+    start = d_out if part == "up" else 0
+    return _FusedExperts(f.get(fused), start, start + d_out)
 
 
 def open_weight_files(path: str) -> dict[str, SafetensorsFile]:
@@ -279,7 +293,7 @@ def _materialise(views: list, stacked: bool, var, param_dtype, mesh, rules) -> j
 
 def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None:
     """Writes config.json + model.safetensors that `transformers` and `load_target` read (a
-    text-only CausalLM; Qwen3.5-MoE experts fused, as transformers 5 reads them)."""
+    text-only CausalLM; experts one tensor each, as transformers 5 writes them)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = {}
@@ -291,16 +305,9 @@ def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None
     for name, (var, transpose) in hf_param_table(model).items():
         arr = host(var)
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
-    fuse = model.config.model_type == "qwen3_5_moe_text"
     for var, names in expert_param_table(model):
-        arr = host(var).transpose(0, 2, 1)  # [E, out, in], HF's order
-        if not fuse:
-            tensors.update({n: np.ascontiguousarray(arr[e]) for e, n in enumerate(names)})
-            continue
-        name, part = fused_expert_names(names)
-        if part == "up":  # gate_up_proj = [gate ; up] on the out axis
-            arr = np.concatenate([tensors.pop(name), arr], axis=1)
-        tensors[name] = np.ascontiguousarray(arr)
+        arr = host(var)
+        tensors.update({n: np.ascontiguousarray(arr[e].T) for e, n in enumerate(names)})
     save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = model.config.to_hf_dict()
     saved_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype
