@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from adaflash_jax.decode.generate import generate  # noqa: E402
 from adaflash_jax.decode.slots import SpeculativeEngine  # noqa: E402
+from adaflash_jax.drafter.config import DrafterConfig  # noqa: E402
+from adaflash_jax.drafter.model import Drafter  # noqa: E402
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file  # noqa: E402
 from adaflash_jax.model.checkpoint import CheckpointError, load_target, save_target  # noqa: E402
 from adaflash_jax.model.config import ConfigError, TargetConfig  # noqa: E402
@@ -172,6 +175,21 @@ def test_engine_slots_reset_a_rows_state_for_its_next_request(hf_dirs, hf_greedy
     results = engine.generate(requests)
     for i, r in enumerate(results):
         assert r.output_ids == expected[i % 2][: 32 - 4 * i]
+
+
+@pytest.mark.parametrize("variant", ["multimodal", "moe"])
+def test_speculative_greedy_equals_transformers(hf_dirs, hf_greedy, variant):
+    """Speculative decoding (a DFlash drafter on two of the target's layers, block 4, widths
+    1, 2 and 4, two ragged rows) on the multimodal and MoE checkpoints: transformers' tokens."""
+    prompts, expected = hf_greedy[variant]
+    target = load_target(hf_dirs[variant][1])
+    dcfg = DrafterConfig.for_target(
+        target.config, mask_token_id=V - 1, num_layers=1, block_size=4, num_features=2
+    )
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
+    engine = SpeculativeEngine(target, drafter, slots=2, capacity=64, buckets=(1, 2, 4))
+    results = engine.generate([(p, 32) for p in prompts])
+    assert [r.output_ids for r in results] == expected
 
 
 def test_chunked_form_equals_recurrent_form():
