@@ -12,6 +12,7 @@ from flax import nnx
 from adaflash_jax.decode.acceptance import target_probs
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.drafter.model import DraftOutput
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.tokenizer import CHATML_TEMPLATE
 
@@ -122,3 +123,14 @@ THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
     "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
     "<think>\n\n</think>\n\n{% endif %}{% endif %}",
 )
+
+
+def skip_cost_table(draft_ms: float) -> VerifyCostTable:
+    """A verify-cost table whose drafter forward costs `draft_ms` against ~1 ms verifies:
+    large values make goodput's skip arm run undrafted steps."""
+    return VerifyCostTable(
+        rows=(1, 8),
+        widths=(1, 2, 4),
+        verify_ms=((1.0, 1.1, 1.2), (1.0, 1.1, 1.2)),
+        draft_ms=(draft_ms, draft_ms),
+    )
