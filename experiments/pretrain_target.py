@@ -49,7 +49,9 @@ def main(argv=None) -> dict:
         from adaflash_jax.train.pretrain import run_pretrain
 
         out = args.out
-        with one_line_errors("error", FileExistsError):
+        from adaflash_jax.train.optimizer import NonFiniteError
+
+        with one_line_errors("error", FileExistsError, NonFiniteError):
             metrics = run_pretrain(
                 get_preset(args.preset), out, steps=args.steps, resume=args.resume, mesh=mesh
             )

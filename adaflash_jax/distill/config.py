@@ -279,6 +279,9 @@ class RunConfig:
     eval: EvalSpec = EvalSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     log_every: int = 10
+    # Train steps in a row with a non-finite loss or gradient (each skipped: the weights and
+    # optimizer state stay as they were) that stop the run, checked at log points.
+    max_nonfinite_steps: int = 10
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))

@@ -6,7 +6,10 @@ stage-2 round). `restore_or_start` restores the latest checkpoint when there is 
 the caller moves its freshly built iterator there (`Checkpointer.restore_data`), so
 calling it again after a kill continues with the exact next batch; the last step is always
 saved (forced). Logged metrics are means over the log interval (TensorBoard and the
-returned history).
+returned history), plus `skipped_total`: the stage's non-finite steps so far (skipped by the
+optimizer, `train/optimizer.py`). At a log point with `max_skips` or more of them in a row
+the run stops (`NonFiniteError`): the stop comes at most `log_every` steps after the limit,
+and the weights are those of the last finite step, as is every checkpoint saved since.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 
 from adaflash_jax.distill.state import checkpointable
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
+from adaflash_jax.train.optimizer import check_skips
 from adaflash_jax.train.progress import Progress
 from adaflash_jax.train.state import TrainState
 
@@ -48,6 +52,7 @@ class StageRun:
     writer: object | None = None  # ScalarWriter
     progress: bool = True
     on_step: Callable[[int], None] | None = None  # test hook: called after each step
+    max_skips: int = 10  # non-finite steps in a row that stop the run
 
 
 def restore_or_start(
@@ -111,6 +116,10 @@ def run_stage(
                     m["tokens_per_s"] = steps_since * run.tokens_per_step / (now - t_last)
                 t_last, steps_since = now, 0
                 m["step"] = done
+                last = ckpt.latest_step() if ckpt is not None else None
+                m["skipped_total"] = check_skips(
+                    run.name, state.opt_state, done, run.max_skips, last
+                )
                 history.append(m)
                 if run.writer is not None:
                     run.writer.write(

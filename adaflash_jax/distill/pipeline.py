@@ -210,6 +210,7 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
         "collect_tau": collect_tau,
         "exports": exports,
         "final_metrics": {k: (v[-1] if v else {}) for k, v in trainer.histories.items()},
+        "nonfinite_skipped": dict(trainer.skipped),
     }
 
 
@@ -222,6 +223,7 @@ def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
         "stage_seconds": timings,
         "collect_tau": results["collect_tau"],
         "final_metrics": results["final_metrics"],
+        "nonfinite_skipped": results["nonfinite_skipped"],
         "exports": results["exports"],
         "product": results["exports"].get("adaflash"),
         "run_dir": ctx.run_dir,

@@ -31,7 +31,7 @@ from adaflash_jax.distill.state import new_train_state
 from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import Checkpointer
-from adaflash_jax.train.optimizer import OptimizerConfig
+from adaflash_jax.train.optimizer import OptimizerConfig, skip_counts
 
 # (step kind, optimizer, mesh, models, batch) → (tx, schedules, jitted step), process-wide,
 # so a second run in the same process (tests, resumes) does not compile again.
@@ -130,6 +130,7 @@ class Trainer:
         self.writer, self.guard = writer, guard
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
+        self.skipped: dict[str, int] = {}  # stage → non-finite steps skipped
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -195,12 +196,14 @@ class Trainer:
             log_every=self.cfg.log_every,
             writer=self.writer,
             progress=self.ctx.progress,
+            max_skips=self.cfg.max_nonfinite_steps,
         )
         try:
             state, hist = run_stage(run, state, ckpt=ckpt, guard=self.guard, extra=extra)
         finally:
             self.frozen = state.frozen
         self.histories.setdefault(name, []).extend(hist)
+        self.skipped[name] = int(jax.device_get(skip_counts(state.opt_state)[1]))
         return state
 
     def _fixed_data_stage(self, name, kind, params, groups, total, it_args, clip):

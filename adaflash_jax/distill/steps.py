@@ -34,7 +34,15 @@ from adaflash_jax.distill.anchors import block_targets
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK
 from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import Rules
-from adaflash_jax.train.optimizer import OptimizerConfig, adamw, make_schedule, path_labels
+from adaflash_jax.train.optimizer import (
+    OptimizerConfig,
+    adamw,
+    make_schedule,
+    nonfinite_metrics,
+    path_labels,
+    poison_if_nonfinite,
+    skip_nonfinite,
+)
 from adaflash_jax.train.state import TrainState, batch_sharding
 
 KINDS = ("stage1", "head_init", "stage2")
@@ -97,11 +105,11 @@ def make_optimizer(
         schedules[name] = make_schedule(cfg)
         transforms[name] = adamw(cfg, schedules[name])
     tx = optax.multi_transform(transforms, path_labels(param_group))
-    if clip_norm is None:
-        return tx, schedules
-    clip = optax.clip_by_global_norm(clip_norm)
-    clips = optax.multi_transform({"draft_model": clip, "accept": clip}, path_labels(clip_part))
-    return optax.chain(clips, tx), schedules
+    if clip_norm is not None:
+        clip = optax.clip_by_global_norm(clip_norm)
+        clips = optax.multi_transform({"draft_model": clip, "accept": clip}, path_labels(clip_part))
+        tx = optax.chain(clips, tx)
+    return skip_nonfinite(tx), schedules
 
 
 def clip_part_norms(grads) -> dict[str, jax.Array]:
@@ -237,10 +245,12 @@ def make_step(
                 return loss + h_loss, aux
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = poison_if_nonfinite(loss, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         norms = clip_part_norms(grads)
         metrics = {"loss": loss, "grad_norm": norms["draft_model"], **aux}
+        metrics.update(nonfinite_metrics(opt_state))
         metrics["accept_grad_norm"] = norms["accept"]
         for name, schedule in (schedules or {}).items():
             metrics[f"lr_{name}"] = schedule(state.step)

@@ -7,6 +7,11 @@ drafter and length head at different constant learning rates).
 
 Weight decay skips 1-D parameters (norm scales, biases), the usual choice for transformers,
 unless `decay_all` (torch's AdamW decays every parameter; the AdaFlash reference uses it).
+
+Every optimizer skips non-finite steps (`skip_nonfinite`: optax's `apply_if_finite`): a step
+whose gradients (or loss, `poison_if_nonfinite`) are not finite leaves the parameters and the
+optimizer state as they were and is counted; the train loops stop a run after too many in a
+row (docs/design.md §4.4).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -88,7 +94,33 @@ def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation, 
     tx = adamw(cfg, schedule)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
-    return tx, schedule
+    return skip_nonfinite(tx), schedule
+
+
+# apply_if_finite applies the updates anyway after this many non-finite steps in a row; the
+# loops stop the run long before (their own limit), so never.
+_NEVER = 2**31 - 1
+
+
+def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx`, but a step with a non-finite gradient is a zero update with the inner state kept."""
+    return optax.apply_if_finite(tx, max_consecutive_errors=_NEVER)
+
+
+def poison_if_nonfinite(loss, grads):
+    """NaN gradients when the loss is not finite, so `skip_nonfinite` skips that step too."""
+    ok = jnp.isfinite(loss)
+    return jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
+
+
+def nonfinite_metrics(opt_state: optax.ApplyIfFiniteState) -> dict[str, jax.Array]:
+    """This step's skip: 1 or 0 (a log interval's mean is the fraction skipped)."""
+    return {"skipped": 1 - opt_state.last_finite.astype(jnp.int32)}
+
+
+def skip_counts(opt_state: optax.ApplyIfFiniteState) -> tuple[jax.Array, jax.Array]:
+    """(non-finite steps in a row up to the last one, non-finite steps in all)."""
+    return opt_state.notfinite_count, opt_state.total_notfinite
 
 
 def path_labels(label_fn: Callable[[str], str]) -> Callable:
@@ -126,9 +158,27 @@ def make_grouped_optimizer(
     tx = optax.multi_transform(transforms, path_labels(checked_label))
     if clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
-    return tx, schedules
+    return skip_nonfinite(tx), schedules
 
 
 def count_params(params) -> int:
     """Number of scalars in a parameter tree (concrete or abstract)."""
     return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+class NonFiniteError(RuntimeError):
+    """Too many train steps in a row had a non-finite loss or gradient."""
+
+
+def check_skips(name: str, opt_state, step: int, limit: int, last_checkpoint) -> int:
+    """A train loop's check at a log point: the stage's skipped steps so far, or
+    `NonFiniteError` (one line naming the stage, the step and the last checkpoint) when the
+    last `limit` or more steps in a row were skipped."""
+    in_a_row, total = map(int, jax.device_get(skip_counts(opt_state)))
+    if in_a_row >= limit:
+        raise NonFiniteError(
+            f"{name}: {in_a_row} train steps in a row up to step {step} had a non-finite loss "
+            f"or gradient (limit {limit}); the weights are step {step - in_a_row}'s, the last "
+            f"checkpoint is step {last_checkpoint}"
+        )
+    return total

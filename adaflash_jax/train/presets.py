@@ -58,6 +58,7 @@ class PretrainConfig:
     save_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
+    max_nonfinite_steps: int = 10  # skipped (non-finite) steps in a row that stop the run
     eval_rows_per_domain: int = 64  # caps eval cost; rows of seq_len + 1 tokens
 
     def __post_init__(self):

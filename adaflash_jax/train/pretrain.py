@@ -37,7 +37,12 @@ from adaflash_jax.sharding.rules import TRAIN_RULES
 from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
 from adaflash_jax.train.lm_loss import jit_eval, lm_loss_fn
 from adaflash_jax.train.mesh import make_mesh
-from adaflash_jax.train.optimizer import OptimizerConfig, count_params, make_optimizer
+from adaflash_jax.train.optimizer import (
+    OptimizerConfig,
+    check_skips,
+    count_params,
+    make_optimizer,
+)
 from adaflash_jax.train.presets import PretrainConfig
 from adaflash_jax.train.pretrain_data import (
     evaluate_domains,
@@ -131,7 +136,11 @@ def train_loop(
                 bar_step = step
                 if step == start + 1:
                     bar.restart_clock()  # tokens/s without compile time
+                skipped = check_skips(
+                    "pretrain", state.opt_state, step, cfg.max_nonfinite_steps, last_saved
+                )
                 scalars = {"train/loss": m["loss"], "train/lr": m["lr"]}
+                scalars["train/skipped_total"] = skipped
                 writer.write(step, scalars | {"train/grad_norm": m["grad_norm"]})
             preempted = guard.should_stop or checkpointer.reached_preemption(step)
             if preempted or (stop_at_step is not None and step >= stop_at_step):

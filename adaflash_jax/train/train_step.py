@@ -14,6 +14,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from adaflash_jax.train.optimizer import nonfinite_metrics, poison_if_nonfinite
 from adaflash_jax.train.state import TrainState
 
 # optax >= 0.2.5 moved global_norm to optax.tree.norm; older installs only have the former.
@@ -35,9 +36,11 @@ def train_step_fn(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, frozen, batch, step_rng
         )
+        grads = poison_if_nonfinite(loss, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
+        metrics.update(nonfinite_metrics(opt_state))
         for name, schedule in (schedules or {}).items():
             metrics[name] = schedule(state.step)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
