@@ -33,7 +33,7 @@ def get_config():
         log_every=1,
         data=DataSpec(train_prompts={prompts!r}, eval_prompts={prompts!r}, train_per_domain=4,
                       eval_per_domain=2, max_prompt_len=12, max_new_tokens=12, regen_batch=8,
-                      chat_template=True),
+                      chat_template=True, max_bad_lines=1),
         draft=DraftSpec(layers=1, block_size=4, target_layer_ids=(0, 2)),
         stage1=Stage1Spec(steps=2), head_init=HeadInitSpec(steps=1),
         stage2=Stage2Spec(rounds=1, steps_per_round=1, prompts_per_round=8,
@@ -97,6 +97,7 @@ def test_distill_and_export_with_a_hybrid_moe_target(dirs):
     with open(prompts, "w") as f:
         for i in range(16):
             f.write(json.dumps({"domain": "code", "prompt": f"def f{i}(x):"}) + "\n")
+        f.write('{"domain": "code", "prompt": "def broken(\n')  # line 17: not JSON
     config = str(root / "moe_micro.py")
     with open(config, "w") as f:
         f.write(CONFIG.format(target=dirs["target"], prompts=prompts))
@@ -106,6 +107,11 @@ def test_distill_and_export_with_a_hybrid_moe_target(dirs):
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert set(report["tau"]) == {"stage1", "adaflash"}
+    issues = report["data_issues"]  # the broken line, skipped (max_bad_lines=1) and named
+    assert issues["broken_lines_skipped"] == {prompts: [17]}
+    assert set(issues["prompts_truncated"]) == set(issues["empty_responses"]) == {"train", "eval"}
+    assert set(report["nonfinite_skipped"]) == {"stage1", "head_init", "stage2_adaflash"}
+    assert not any(report["nonfinite_skipped"].values())
     assert all(1.0 <= t <= 4.0 for per in report["tau"].values() for t in per.values())
     exported = load_drafter(os.path.join(run_dir, "export", "adaflash"))
     with open(os.path.join(run_dir, "export", "adaflash", "config.json")) as f:

@@ -116,3 +116,17 @@ def test_thinking_mode_reaches_the_template(tmp_path):
     on = P.encode(prompt, tok, chat_template=True, max_len=99, enable_thinking=True)[0]
     assert tok.decode(off, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
     assert tok.decode(on, skip_special_tokens=False).endswith("assistant\n")
+
+
+def test_broken_jsonl_lines_are_named_or_skipped_and_counted(tokenizer, tmp_path):
+    """Lines that are not JSON or not a prompt record: named (file and line numbers) and
+    refused past `max_bad_lines`, skipped and kept count of below it; prompts cut to the
+    length budget are counted."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok one"}\n{"prompt": "cut\n\n7\n{"prompt": "ok two"}\n')
+    with pytest.raises(P.PromptError, match=r"p\.jsonl: 2 broken lines \(2, 4; line 2"):
+        P.read_prompts(str(path))
+    got = P.read_prompts(str(path), max_bad_lines=2)
+    assert [p.text for p in got] == ["ok one", "ok two"] and got.skipped_lines == (2, 4)
+    ids = P.encode(got, tokenizer, chat_template=False, max_len=4)
+    assert ids.truncated == 2 and all(len(i) == 4 for i in ids)

@@ -57,6 +57,9 @@ class DataSpec:
     # writes <think> text the drafter then must predict (z-lab/dflash #133: acceptance 25 %
     # with thinking on against 60 % off). Recorded in the export's config.json.
     enable_thinking: bool = False
+    # Broken JSONL lines (not JSON, or not a prompt record) a prompt file may have: up to
+    # this many are skipped and reported (report.json `data_issues`), more refuse the file.
+    max_bad_lines: int = 0
     domains: tuple[str, ...] = ()  # () → every domain the prompts carry
     train_per_domain: int = 64  # prompts regenerated per domain for stage 1 / head init
     eval_per_domain: int = 8
@@ -76,6 +79,7 @@ class DataSpec:
             "max_new_tokens",
             "regen_batch",
         )
+        _positive("data", self, "max_bad_lines", allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,8 @@ class Context:
     train_prompts: list[P.Prompt]
     eval_prompts: list[P.Prompt]
     stage2_prompts: list[P.Prompt] = dataclasses.field(default_factory=list)  # pool "fresh"
+    # prompt file → the JSONL lines skipped as broken (up to data.max_bad_lines per file)
+    skipped_lines: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     progress: bool = True  # training/collection progress bars (process 0 only)
 
     @property
@@ -122,15 +124,19 @@ def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) ->
     return dcfg
 
 
-def _found_prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
-    """Every prompt of a split's source: its file, or the embedded corpus's split."""
+def _found_prompts(cfg: RunConfig, split: str, skipped: dict) -> list[P.Prompt]:
+    """Every prompt of a split's source: its file, or the embedded corpus's split. A file's
+    skipped broken lines go into `skipped` (file → line numbers)."""
     path = {
         "train": cfg.data.train_prompts,
         "eval": cfg.data.eval_prompts,
         "stage2": cfg.data.stage2_prompts or cfg.data.train_prompts,
     }[split]
     if path is not None:
-        return P.read_prompts(path)
+        found = P.read_prompts(path, max_bad_lines=cfg.data.max_bad_lines)
+        if found.skipped_lines:
+            skipped[path] = found.skipped_lines
+        return found
     if cfg.target_path is None:
         from adaflash_jax import embedded
 
@@ -143,8 +149,8 @@ def _found_prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
     )
 
 
-def _prompts(cfg: RunConfig, split: str) -> list[P.Prompt]:
-    found = _found_prompts(cfg, split)
+def _prompts(cfg: RunConfig, split: str, skipped: dict) -> list[P.Prompt]:
+    found = _found_prompts(cfg, split, skipped)
     count = cfg.data.train_per_domain if split == "train" else cfg.data.eval_per_domain
     return P.per_domain(found, count, seed=cfg.seed, domains=cfg.data.domains)
 
@@ -158,14 +164,14 @@ def stage2_pool_size(cfg: RunConfig) -> int:
     return s2.rounds * s2.prompts_per_round
 
 
-def _stage2_prompts(cfg: RunConfig, train: list[P.Prompt]) -> list[P.Prompt]:
+def _stage2_prompts(cfg: RunConfig, train: list[P.Prompt], skipped: dict) -> list[P.Prompt]:
     """The "fresh" pool: prompts of the stage-2 source that stage 1 did not use, balanced
     over domains, `rounds × prompts_per_round` of them when the source has that many."""
     need = stage2_pool_size(cfg)
     if not need:
         return []
     used = {P.identity(p) for p in train}
-    left = [p for p in _found_prompts(cfg, "stage2") if P.identity(p) not in used]
+    left = [p for p in _found_prompts(cfg, "stage2", skipped) if P.identity(p) not in used]
     domains = cfg.data.domains or tuple(dict.fromkeys(p.domain for p in left))
     per = -(-need // max(len(domains), 1))
     pool = P.per_domain(left, per, seed=cfg.seed + 1, domains=domains) if left else []
@@ -207,8 +213,9 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
     eos = eos or target_cfg.eos_token_ids
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    train, evals = _prompts(cfg, "train"), _prompts(cfg, "eval")
-    pool = _stage2_prompts(cfg, train)
+    skipped: dict[str, tuple[int, ...]] = {}
+    train, evals = _prompts(cfg, "train", skipped), _prompts(cfg, "eval", skipped)
+    pool = _stage2_prompts(cfg, train, skipped)
     if cfg.stage2.pool == "fresh" and stage2_pool_size(cfg) and not pool:
         raise ConfigError(
             "stage2.pool 'fresh' found no prompts that stage 1 did not use: set "
@@ -228,5 +235,6 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         pad_id=int(pad),
         train_prompts=train,
         eval_prompts=evals,
+        skipped_lines=skipped,
         stage2_prompts=pool,
     )

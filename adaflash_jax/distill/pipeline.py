@@ -55,12 +55,12 @@ def _dtype(name: str):
 class Datasets:
     train: SequenceData  # stage 1 and head init: the target's greedy responses
     eval: SequenceData  # held-out τ
-    train_ids: list[list[int]]
-    eval_ids: list[list[int]]
+    train_ids: P.Encoded  # ids per prompt, with the count cut to max_prompt_len
+    eval_ids: P.Encoded
     pool: Stage2Pool | None  # what stage-2 rounds draw from
 
 
-def _encode(ctx: Context, prompts) -> list[list[int]]:
+def _encode(ctx: Context, prompts) -> P.Encoded:
     cfg = ctx.cfg
     return P.encode(
         prompts,
@@ -214,6 +214,20 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     }
 
 
+def data_issues(ctx: Context, data: Datasets) -> dict:
+    """What the run dropped or changed in its data, never silently: broken prompt-file lines
+    skipped, prompts cut to `data.max_prompt_len` (their last tokens kept), regenerated
+    responses with nothing but an EOS."""
+    return {
+        "broken_lines_skipped": {path: list(lines) for path, lines in ctx.skipped_lines.items()},
+        "prompts_truncated": {"train": data.train_ids.truncated, "eval": data.eval_ids.truncated},
+        "empty_responses": {
+            "train": data.train.meta.get("empty_responses"),
+            "eval": data.eval.meta.get("empty_responses"),
+        },
+    }
+
+
 def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     tau = results["tau"]
     report = {
@@ -230,6 +244,7 @@ def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
         "target": ctx.target_dir,
         "devices": jax.device_count(),
         "mesh": list(ctx.mesh_shape),
+        "data_issues": data_issues(ctx, data),
         "train_sequences": len(data.train),
         "stage2_pool": len(data.pool) if data.pool is not None else 0,
         "eval_sequences": {

@@ -62,6 +62,8 @@ def _messages_from(record: dict, where: str) -> tuple[dict, ...]:
 
 
 def parse_record(record: dict, *, default_domain: str, where: str = "record") -> Prompt:
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: a prompt record is a JSON object, got {type(record).__name__}")
     domain = str(record.get("domain", default_domain))
     if isinstance(record.get("prompt"), str):
         return Prompt(domain=domain, text=record["prompt"])
@@ -70,8 +72,25 @@ def parse_record(record: dict, *, default_domain: str, where: str = "record") ->
     raise PromptError(f"{where}: needs `prompt`, `messages` or `conversations`")
 
 
-def read_prompts(path: str | os.PathLike, *, default_domain: str | None = None) -> list[Prompt]:
-    """Every prompt of a file (format chosen by extension, see the module docstring)."""
+class PromptList(list):
+    """Prompts read from a file, with the line numbers of the JSONL lines skipped as broken."""
+
+    skipped_lines: tuple[int, ...] = ()
+
+
+class Encoded(list):
+    """Token ids per prompt, with how many prompts were cut to the length budget."""
+
+    truncated: int = 0
+
+
+def read_prompts(
+    path: str | os.PathLike, *, default_domain: str | None = None, max_bad_lines: int = 0
+) -> PromptList:
+    """Every prompt of a file (format chosen by extension, see the module docstring). A
+    JSONL line that is not JSON, or not a prompt record, is broken: up to `max_bad_lines`
+    of them are skipped (their line numbers kept in `skipped_lines`), more refuse the file
+    with one line naming it and the first of them."""
     path = os.fspath(path)  # local or gs://
     if not fs.exists(path) or fs.isdir(path):
         raise FileNotFoundError(f"prompt file does not exist: {path}")
@@ -83,19 +102,36 @@ def read_prompts(path: str | os.PathLike, *, default_domain: str | None = None) 
             if not isinstance(records, list):
                 raise PromptError(f"{path}: a .json prompt file must hold a list of records")
         elif ext == ".jsonl":
-            records = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise PromptError(f"{path}:{n}: not JSON ({e})") from None
+            return _read_jsonl(f, path, domain, max_bad_lines)
         else:
-            return [Prompt(domain=domain, text=line.rstrip("\n")) for line in f if line.strip()]
-    return [
+            lines = [Prompt(domain=domain, text=line.rstrip("\n")) for line in f if line.strip()]
+            return PromptList(lines)
+    return PromptList(
         parse_record(r, default_domain=domain, where=f"{path} record {i}")
         for i, r in enumerate(records)
-    ]
+    )
+
+
+def _read_jsonl(f, path: str, domain: str, max_bad_lines: int) -> PromptList:
+    out, bad, first_error = PromptList(), [], None
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(parse_record(json.loads(line), default_domain=domain))
+        except (json.JSONDecodeError, PromptError) as e:
+            bad.append(n)
+            first_error = first_error or f"line {n}: {' '.join(str(e).split())}"
+    if len(bad) > max_bad_lines:
+        shown = ", ".join(map(str, bad[:10])) + (
+            f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""
+        )
+        raise PromptError(
+            f"{path}: {len(bad)} broken lines ({shown}; {first_error}); data.max_bad_lines="
+            f"{max_bad_lines} allows skipping up to that many"
+        )
+    out.skipped_lines = tuple(bad)
+    return out
 
 
 def identity(p: Prompt) -> str:
@@ -134,9 +170,10 @@ def encode(
     max_len: int,
     enable_thinking: bool = False,
 ) -> list[list[int]]:
-    """Token ids per prompt; a prompt longer than `max_len` keeps its last tokens. With the
-    chat template, `enable_thinking` goes to it (the Qwen3 / Qwen3.5 templates branch on it)."""
-    out = []
+    """Token ids per prompt; a prompt longer than `max_len` keeps its last tokens, counted in
+    `truncated`. With the chat template, `enable_thinking` goes to it (the Qwen3 / Qwen3.5
+    templates branch on it)."""
+    out = Encoded()
     for p in prompts:
         if chat_template:
             messages = list(p.messages or ({"role": "user", "content": p.text},))
@@ -148,6 +185,7 @@ def encode(
             ids = tokenizer.encode(text)
         if not ids:
             raise PromptError(f"a {p.domain!r} prompt encodes to no tokens")
+        out.truncated += len(ids) > max_len
         out.append(list(ids[-max_len:]))
     return out
 

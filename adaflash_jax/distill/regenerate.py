@@ -154,6 +154,8 @@ def regenerate_dataset(
             "max_new_tokens": max_new_tokens,
             "prompt_lengths": [len(p) for p in prompt_ids],
             "response_lengths": [len(r) for r in responses],
+            # responses with no token but an EOS: trained on as they are, counted in the report
+            "empty_responses": sum(all(t in eos_ids for t in r) for r in responses),
         },
     )
     if jax.process_index() == 0:
