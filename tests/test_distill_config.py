@@ -115,3 +115,23 @@ def test_one_config_file_loader(tmp_path):
         load_config(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(tmp_path / "missing.py")
+
+
+def test_a_run_directory_resumes_only_with_its_process_count(tmp_path):
+    """The first start records the process count; a resume with another count is refused
+    at start with one line naming both and the way out (grain keeps one position per
+    process)."""
+    import json
+    import types
+
+    from adaflash_jax.distill.pipeline import PROCESSES_FILE, check_process_count
+
+    ctx = types.SimpleNamespace(
+        run_dir=str(tmp_path), is_main=True, path=lambda *p: os.path.join(tmp_path, *p)
+    )
+    check_process_count(ctx)
+    assert json.loads((tmp_path / PROCESSES_FILE).read_text()) == {"process_count": 1}
+    check_process_count(ctx)  # the same count resumes
+    (tmp_path / PROCESSES_FILE).write_text(json.dumps({"process_count": 2}))
+    with pytest.raises(ConfigError, match="written by 2 processes and this run has 1: resume"):
+        check_process_count(ctx)

@@ -28,7 +28,7 @@ from flax import nnx
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
-from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.config import ConfigError, RunConfig
 from adaflash_jax.distill.context import Context, prepare
 from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
@@ -133,9 +133,30 @@ def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) ->
     return run_prepared(dataclasses.replace(ctx, progress=progress), t0=t0)
 
 
+PROCESSES_FILE = "processes.json"
+
+
+def check_process_count(ctx: Context) -> None:
+    """A run directory resumes only with the process count that wrote it (grain's checkpoint
+    handler keeps one input position per process): another count is refused at start, naming
+    both; the first start records it."""
+    path, now = ctx.path(PROCESSES_FILE), jax.process_count()
+    if fs.exists(path):
+        was = json.loads(fs.read_text(path))["process_count"]
+        if was != now:
+            raise ConfigError(
+                f"run directory {ctx.run_dir} was written by {was} processes and this run has "
+                f"{now}: resume it with {was} processes (the checkpoints hold one input "
+                "position per process), or start a new --run-dir"
+            )
+    elif ctx.is_main:
+        fs.write_text(path, json.dumps({"process_count": now}))
+
+
 def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     t0 = time.perf_counter() if t0 is None else t0
     cfg = ctx.cfg
+    check_process_count(ctx)
     _write_config(ctx)
     if ctx.is_main:
         print(f"run directory: {ctx.run_dir}", flush=True)
