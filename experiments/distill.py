@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     from adaflash_jax.cli import bad_input_errors
     from adaflash_jax.distill.config import ConfigError, load_config, override
     from adaflash_jax.distill.pipeline import Preempted, run
+    from adaflash_jax.io.fs import StorageError
     from adaflash_jax.train.optimizer import NonFiniteError
 
     try:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     except Preempted as e:
         print(f"preempted: {e}; rerun with the same --run-dir to resume", file=sys.stderr)
         return 143
-    except NonFiniteError as e:
+    except (NonFiniteError, StorageError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     return 0

@@ -142,3 +142,35 @@ def test_export_cli_bad_paths_are_one_line(tmp_path, capsys):
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
     with pytest.raises(SystemExit, match=r"^export failed: .*ckpt holds no stage checkpoints"):
         export.main([str(tmp_path / "run")])
+
+
+class FlakyFileSystem(MemoryFileSystem):
+    """An in-memory object store whose next `failures` object writes raise, as a dropped
+    connection does."""
+
+    protocol = "flaky"
+    failures = 0
+    attempts = 0
+
+    def pipe_file(self, path, value, **kwargs):
+        type(self).attempts += 1
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            raise ConnectionResetError("connection reset by peer")
+        return super().pipe_file(path, value, **kwargs)
+
+
+def test_remote_writes_are_retried_and_a_lasting_failure_is_one_line(monkeypatch):
+    """Two failed writes, then the third lands; a store that keeps failing ends in one
+    StorageError naming the path, and the object keeps its previous content."""
+    import fsspec
+
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    monkeypatch.setattr(fs, "FIRST_PAUSE_S", 0.0)
+    FlakyFileSystem.failures, FlakyFileSystem.attempts = 2, 0
+    fs.write_text("flaky://run/report.json", "first")
+    assert FlakyFileSystem.attempts == 3 and fs.read_text("flaky://run/report.json") == "first"
+    FlakyFileSystem.failures = 100
+    with pytest.raises(fs.StorageError, match="writing flaky://run/report.json failed 4 times"):
+        fs.write_text("flaky://run/report.json", "second")
+    assert fs.read_text("flaky://run/report.json") == "first"

@@ -2,7 +2,11 @@
 
 `gs://` goes to gcsfs (a declared dependency); any other fsspec URL works too (tests use
 `memory://`). Local writes are atomic (a sibling temporary file, then a rename); an object
-store replaces whole objects anyway. Orbax checkpoints take the same URLs on their own.
+store replaces whole objects anyway. A remote write that fails (an `OSError`: a dropped
+connection, a 5xx the client gave up on) is retried `WRITE_ATTEMPTS` times with doubling
+pauses; one that keeps failing raises `StorageError`, one line naming the path, and leaves
+the object as it was. Orbax checkpoints take the same URLs on their own (and their own
+retries).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import time
 
 import fsspec
 import numpy as np
@@ -60,13 +65,32 @@ def remove(path: str) -> None:
         fs.rm(p)
 
 
+WRITE_ATTEMPTS = 4
+FIRST_PAUSE_S = 1.0  # then 2, 4: about 7 s before giving up
+
+
+class StorageError(OSError):
+    """A remote write that kept failing."""
+
+
 def write_bytes(path: str, data: bytes) -> None:
-    """A whole file, never seen half-written: local files go through a rename."""
+    """A whole file, never seen half-written: local files go through a rename, remote ones
+    are one object write, retried (module docstring)."""
     fs, p = _fs(path)
-    fs.makedirs(posixpath.dirname(p), exist_ok=True)
     if is_remote(path):
-        fs.pipe_file(p, data)
-        return
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                fs.makedirs(posixpath.dirname(p), exist_ok=True)
+                fs.pipe_file(p, data)
+                return
+            except OSError as e:
+                if attempt == WRITE_ATTEMPTS - 1:
+                    raise StorageError(
+                        f"writing {path} failed {WRITE_ATTEMPTS} times, the last with "
+                        f"{type(e).__name__}: {e}"
+                    ) from None
+                time.sleep(FIRST_PAUSE_S * 2**attempt)
+    fs.makedirs(posixpath.dirname(p), exist_ok=True)
     tmp = f"{p}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
