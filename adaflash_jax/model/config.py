@@ -16,39 +16,20 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen3_5_text", "qwen3_5_moe_text")
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
-MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-LAYER_TYPES = ("full_attention", "linear_attention")
-_ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-}
-_REFUSED = {
-    "qwen3_next": "its Gated DeltaNet stores q/k/v/z and b/a interleaved per key-head group "
-    "(in_proj_qkvz, in_proj_ba), a weight layout this project does not read yet; "
-    "Qwen3.5 / Qwen3.6 checkpoints (qwen3_5, qwen3_5_moe) are supported"
-}
-
-
-class ConfigError(ValueError):
-    """A config.json that this project cannot build a model from."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """Llama-3.1 style ("llama3") frequency scaling."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def to_hf(self) -> dict[str, Any]:
-        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+from adaflash_jax.model.hf_fields import (  # noqa: F401 (ConfigError, RopeScaling, read_rope: re-exported)
+    ARCHITECTURES,
+    HYBRID_MODEL_TYPES,
+    LAYER_TYPES,
+    MULTIMODAL_WRAPPERS,
+    REFUSED,
+    SUPPORTED_MODEL_TYPES,
+    ConfigError,
+    RopeScaling,
+    default_feature_layers,
+    experts_from_hf,
+    hybrid_from_hf,
+    read_rope,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,8 +207,8 @@ class TargetConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> TargetConfig:
         model_type = cfg.get("model_type")
-        if model_type in _REFUSED:
-            raise ConfigError(f"model_type {model_type!r} is not supported: {_REFUSED[model_type]}")
+        if model_type in REFUSED:
+            raise ConfigError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}")
         if model_type in MULTIMODAL_WRAPPERS:
             text = cfg.get("text_config")
             if not isinstance(text, dict):
@@ -288,8 +269,8 @@ class TargetConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
-            **(_experts_from_hf(cfg) if model_type in ("qwen3_moe", "qwen3_5_moe_text") else {}),
-            **(_hybrid_from_hf(cfg) if model_type in HYBRID_MODEL_TYPES else {}),
+            **(experts_from_hf(cfg) if model_type in ("qwen3_moe", "qwen3_5_moe_text") else {}),
+            **(hybrid_from_hf(cfg) if model_type in HYBRID_MODEL_TYPES else {}),
         )
 
     @classmethod
@@ -304,7 +285,7 @@ class TargetConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -361,102 +342,3 @@ class TargetConfig:
             eos = self.eos_token_id
             out["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
         return out
-
-
-def _experts_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A qwen3_moe config.json's expert fields (transformers >= 5 writes `num_local_experts`;
-    the published checkpoints say `num_experts`). The router's aux loss is training-only.
-    qwen3_5_moe_text: every layer routes, always renormalised over the k, plus a shared expert."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if experts is None or "num_experts_per_tok" not in cfg or "moe_intermediate_size" not in cfg:
-        raise ConfigError(
-            f"a {cfg['model_type']} config.json needs num_experts, num_experts_per_tok and "
-            "moe_intermediate_size"
-        )
-    if cfg["model_type"] == "qwen3_5_moe_text":
-        if "shared_expert_intermediate_size" not in cfg:
-            raise ConfigError(
-                "a qwen3_5_moe_text config.json needs shared_expert_intermediate_size"
-            )
-        return dict(
-            num_experts=int(experts),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=True,
-            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-        )
-    return dict(
-        num_experts=int(experts),
-        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-    )
-
-
-def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen3.5 text config's layer kinds (`layer_types`, else every
-    `full_attention_interval`-th layer is full attention), partial RoPE and Gated DeltaNet
-    shapes; transformers' defaults where the file omits one."""
-    n = cfg["num_hidden_layers"]
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        every = int(cfg.get("full_attention_interval", 4))
-        layer_types = [
-            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
-        ]
-    params = cfg.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return dict(
-        layer_types=tuple(layer_types),
-        partial_rotary_factor=float(factor),
-        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-    )
-
-
-def default_feature_layers(n_layers: int, num_features: int) -> tuple[int, ...]:
-    """docs/design.md §2's default feature layers of an `n_layers`-layer target: `n == 1 → [L//2]`,
-    else `round(1 + j·(L−4)/(n−1))`, clipped to the target's layers."""
-    if num_features <= 0:
-        raise ConfigError(f"num_features must be positive, got {num_features}")
-    if num_features == 1:
-        return (n_layers // 2,)
-    span = n_layers - 4
-    ids = tuple(int(round(1 + j * span / (num_features - 1))) for j in range(num_features))
-    return tuple(min(max(i, 0), n_layers - 1) for i in ids)
-
-
-def read_rope(
-    cfg: dict[str, Any], default_theta: float, *, allow_mrope: bool = False
-) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling of a HF config.json (a target's or a drafter's), from the old
-    top-level form (`rope_theta`, `rope_scaling`) or the newer `rope_parameters` form.
-    `allow_mrope` (Qwen3.5): multimodal RoPE (`mrope_section`, `mrope_interleaved`) gives
-    text tokens the same position on its three axes, so on text it IS 1-D RoPE and is read
-    as such; image/video positions are out of scope."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta")))
-    theta = float(theta if theta is not None else default_theta)
-    spec = scaling if scaling else params
-    rope_type = spec.get("rope_type", spec.get("type", "default"))
-    if allow_mrope and rope_type == "mrope":
-        rope_type = "default"
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ConfigError(f"unsupported rope scaling type {rope_type!r}; supported: llama3")
-    try:
-        return theta, RopeScaling(
-            factor=float(spec["factor"]),
-            low_freq_factor=float(spec["low_freq_factor"]),
-            high_freq_factor=float(spec["high_freq_factor"]),
-            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ConfigError(f"llama3 rope scaling is missing field {e}") from None
