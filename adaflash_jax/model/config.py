@@ -1,12 +1,12 @@
 """Target LLM configuration, read from and written to HuggingFace `config.json`.
 
-Covers the dense Llama and Qwen3 families (docs/design.md §2), Qwen3-MoE (`qwen3_moe`: per layer
-either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/moe.py`) and the
-hybrid Qwen3.5 / Qwen3.6 family (docs/design.md §2.1: `qwen3_5_text`, `qwen3_5_moe_text`, and their multimodal
-wrappers `qwen3_5`, `qwen3_5_moe`, whose `text_config` is the decoder): per layer a Gated
-DeltaNet (`linear_attention`) or a gated full attention layer, the MoE one with a shared
-expert on every layer. The config is architecture only; dtypes are chosen when a model is
-built or loaded.
+Covers the dense Llama and Qwen3 families (docs/design.md §2), Qwen3-MoE (`qwen3_moe`: per
+layer either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/moe.py`) and
+the hybrid Qwen3.5 / Qwen3.6 family (docs/design.md §2.1: `qwen3_5_text`, `qwen3_5_moe_text`,
+and their multimodal wrappers `qwen3_5`, `qwen3_5_moe`, whose `text_config` is the decoder):
+per layer a Gated DeltaNet (`linear_attention`) or a gated full attention layer, the MoE one
+with a shared expert on every layer. The config is architecture only; dtypes are chosen when a
+model is built or loaded.
 """
 
 from __future__ import annotations
