@@ -42,7 +42,7 @@ def test_read_all_formats(tmp_path):
     assert [p.text for p in P.read_prompts(str(txt))] == ["first", "second"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no prompt field"}) + "\n")
-    with pytest.raises(P.PromptError, match="record 0"):
+    with pytest.raises(P.PromptError, match="line 1: needs `prompt`"):
         P.read_prompts(str(bad))
     bad.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "x"}]}) + "\n")
     with pytest.raises(P.PromptError, match="no user turn"):
@@ -92,18 +92,18 @@ def test_stage2_pool_is_disjoint_from_stage1(tmp_path):
         data=C.DataSpec(train_prompts=train, eval_prompts=train, train_per_domain=3),
         stage2=stage2,
     )
-    first = _prompts(cfg, "train")
-    pool = _stage2_prompts(cfg, first)
+    first = _prompts(cfg, "train", {})
+    pool = _stage2_prompts(cfg, first, {})
     assert len(first) == 6 and len(pool) == 8
     assert sorted(p.domain for p in pool) == ["a"] * 4 + ["b"] * 4
     assert not {P.identity(p) for p in pool} & {P.identity(p) for p in first}
     # a separate stage-2 file (another domain: domain adaptation) is used as it is
     other = _write(tmp_path / "s.jsonl", [{"domain": "c", "prompt": f"c {i}"} for i in range(9)])
     cfg = C.override(cfg, {"data.stage2_prompts": repr(other)})
-    pool = _stage2_prompts(cfg, first)
+    pool = _stage2_prompts(cfg, first, {})
     assert len(pool) == 8 and {p.domain for p in pool} == {"c"}
     # the pool "stage1" replays stage 1's sequences: no fresh prompts are drawn
-    assert _stage2_prompts(C.override(cfg, {"stage2.pool": "'stage1'"}), first) == []
+    assert _stage2_prompts(C.override(cfg, {"stage2.pool": "'stage1'"}), first, {}) == []
 
 
 def test_thinking_mode_reaches_the_template(tmp_path):

@@ -118,10 +118,13 @@ def _read_jsonl(f, path: str, domain: str, max_bad_lines: int) -> PromptList:
         if not line.strip():
             continue
         try:
-            out.append(parse_record(json.loads(line), default_domain=domain))
-        except (json.JSONDecodeError, PromptError) as e:
+            out.append(parse_record(json.loads(line), default_domain=domain, where=f"line {n}"))
+        except json.JSONDecodeError as e:
             bad.append(n)
-            first_error = first_error or f"line {n}: {' '.join(str(e).split())}"
+            first_error = first_error or f"line {n}: not JSON ({e})"
+        except PromptError as e:
+            bad.append(n)
+            first_error = first_error or " ".join(str(e).split())
     if len(bad) > max_bad_lines:
         shown = ", ".join(map(str, bad[:10])) + (
             f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""
