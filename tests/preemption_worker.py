@@ -31,10 +31,12 @@ def main() -> None:
 
     jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=2, process_id=a.process_id)
     import numpy as np
+    import optax
 
     from adaflash_jax.data.loader import batch_iterator
     from adaflash_jax.distill.loop import Preempted, StageRun, run_stage
     from adaflash_jax.train.checkpointing import Checkpointer, PreemptionGuard
+    from adaflash_jax.train.optimizer import skip_nonfinite
     from adaflash_jax.train.state import TrainState
 
     seen: dict[int, list[int]] = {}
@@ -51,7 +53,10 @@ def main() -> None:
     source = [{"x": np.int64(i)} for i in range(10)]
     it = batch_iterator(source, global_batch=BATCH, seed=3, process_index=a.process_id,
                         process_count=2)  # fmt: skip
-    state = TrainState(step=np.int32(0), params={"w": np.zeros(3, np.float32)}, opt_state={},
+    params = {"w": np.zeros(3, np.float32)}
+    # the loop reads the optimizer's skip counts; host arrays, as the rest of this state
+    opt_state = jax.tree.map(np.asarray, skip_nonfinite(optax.identity()).init(params))
+    state = TrainState(step=np.int32(0), params=params, opt_state=opt_state,
                        rng=np.zeros(2, np.uint32))  # fmt: skip
     ckpt = Checkpointer(os.path.join(a.run_dir, "ckpt"), save_every=SAVE_EVERY)
     if ckpt.latest_step() is not None:
