@@ -59,51 +59,63 @@ def test_train_mask_truth_table():
 
 def test_serving_draft_equals_training_blocks(models):
     """Each training block equals the serving path with the same context, bitwise-close."""
-    target, drafter = models
-    cfg = drafter.config
+
+    @nnx.jit  # one program for both paths (eager dispatch compiles every op on its own)
+    def both(target, drafter, tokens, anchors):
+        feats = target(tokens, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
+        hidden = drafter.train_hidden(
+            feats, tokens, anchors, jnp.ones((2, 3), bool), target.embedding_VxD()
+        )
+        served = []
+        for j in range(anchors.shape[1]):
+            a_B = anchors[:, j]
+            cache = drafter.init_context_cache(2, 16)
+            cache = drafter.append_context(cache, feats, num_new_B=a_B)  # ragged: features[:a]
+            bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
+            out = drafter.draft(cache, bonus, target.embedding_VxD(), target.lm_head_DxV())
+            want_logits = drafter.logits(hidden[:, j, 1:], target.lm_head_DxV())
+            served.append((out.hidden_BxKxD, out.logits_BxKm1xV, want_logits))
+        return hidden, served
+
     tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, 90)
-    feats = target(tokens, feature_layers=cfg.target_layer_ids).features_BxTxnD
     anchors = jnp.array([[3, 9, 5], [1, 7, 10]])
-    hidden = drafter.train_hidden(
-        feats, tokens, anchors, jnp.ones((2, 3), bool), target.embedding_VxD()
-    )
-    for j in range(anchors.shape[1]):
-        a_B = anchors[:, j]
-        cache = drafter.init_context_cache(2, 16)
-        cache = drafter.append_context(cache, feats, num_new_B=a_B)  # ragged: features[:a]
-        bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
-        out = drafter.draft(cache, bonus, target.embedding_VxD(), target.lm_head_DxV())
-        np.testing.assert_allclose(out.hidden_BxKxD, hidden[:, j], atol=1e-5)
-        want_logits = drafter.logits(hidden[:, j, 1:], target.lm_head_DxV())
-        np.testing.assert_allclose(out.logits_BxKm1xV, want_logits, atol=1e-4)
+    hidden, served = both(*models, tokens, anchors)
+    for j, (out_hidden, out_logits, want_logits) in enumerate(served):
+        np.testing.assert_allclose(out_hidden, hidden[:, j], atol=1e-5)
+        np.testing.assert_allclose(out_logits, want_logits, atol=1e-4)
 
 
 def test_incremental_context_equals_one_shot(models):
-    target, drafter = models
+    @nnx.jit  # one program (eager dispatch compiles every op on its own)
+    def one_and_incremental(target, drafter, feats, bonus):
+        emb, head = target.embedding_VxD(), target.lm_head_DxV()
+        one = drafter.append_context(drafter.init_context_cache(1, 12), feats)
+        inc = drafter.init_context_cache(1, 12)
+        for lo, hi in ((0, 4), (4, 5), (5, 9)):
+            inc = drafter.append_context(inc, feats[:, lo:hi])
+        return drafter.draft(one, bonus, emb, head), drafter.draft(inc, bonus, emb, head)
+
     feats = jax.random.normal(jax.random.key(4), (1, 9, 3 * 32))
-    bonus = jnp.array([7])
-    one = drafter.append_context(drafter.init_context_cache(1, 12), feats)
-    inc = drafter.init_context_cache(1, 12)
-    for lo, hi in ((0, 4), (4, 5), (5, 9)):
-        inc = drafter.append_context(inc, feats[:, lo:hi])
-    a = drafter.draft(one, bonus, target.embedding_VxD(), target.lm_head_DxV())
-    b = drafter.draft(inc, bonus, target.embedding_VxD(), target.lm_head_DxV())
+    a, b = one_and_incremental(*models, feats, jnp.array([7]))
     np.testing.assert_allclose(a.logits_BxKm1xV, b.logits_BxKm1xV, atol=1e-5)
 
 
 def test_draft_ignores_stale_context(models):
     """Rolled-back context entries (past `lengths`) must not change the draft."""
-    target, drafter = models
-    feats = jax.random.normal(jax.random.key(5), (1, 8, 3 * 32))
-    cache = drafter.append_context(drafter.init_context_cache(1, 12), feats)
-    short = cache.with_lengths(jnp.array([5]))
-    clean = drafter.append_context(drafter.init_context_cache(1, 12), feats[:, :5])
-    emb, head = target.embedding_VxD(), target.lm_head_DxV()
-    np.testing.assert_allclose(
-        drafter.draft(short, jnp.array([3]), emb, head).logits_BxKm1xV,
-        drafter.draft(clean, jnp.array([3]), emb, head).logits_BxKm1xV,
-        atol=1e-5,
-    )
+
+    @nnx.jit
+    def stale_and_clean(target, drafter, feats):
+        cache = drafter.append_context(drafter.init_context_cache(1, 12), feats)
+        short = cache.with_lengths(jnp.array([5]))
+        clean = drafter.append_context(drafter.init_context_cache(1, 12), feats[:, :5])
+        emb, head = target.embedding_VxD(), target.lm_head_DxV()
+        return (
+            drafter.draft(short, jnp.array([3]), emb, head).logits_BxKm1xV,
+            drafter.draft(clean, jnp.array([3]), emb, head).logits_BxKm1xV,
+        )
+
+    short, clean = stale_and_clean(*models, jax.random.normal(jax.random.key(5), (1, 8, 3 * 32)))
+    np.testing.assert_allclose(short, clean, atol=1e-5)
 
 
 def test_length_head_rule_and_label(models):
@@ -173,28 +185,34 @@ def test_windowed_training_blocks_equal_windowed_serving(windowed, attention):
     """Contexts up to 13 tokens, window 5: every training block (sparse path in chunks of 3
     context keys, or the dense mask) equals the serving draft, which reads only the 4 cache
     entries its sliding layer can see."""
-    target, drafter = windowed
-    cfg = drafter.config
+    cfg = windowed[1].config
     assert cfg.num_features == 8 and cfg.layer_window(0) == WINDOW and cfg.layer_window(1) is None
+
+    @nnx.jit  # one program for both paths (eager dispatch compiles every op on its own)
+    def both(target, drafter, tokens, anchors):
+        feats = target(tokens, feature_layers=cfg.target_layer_ids).features_BxTxnD
+        hidden = drafter.train_hidden(
+            feats,
+            tokens,
+            anchors,
+            jnp.ones((2, 3), bool),
+            target.embedding_VxD(),
+            attention=attention,
+            attention_chunk=3,
+        )
+        emb, head = target.embedding_VxD(), target.lm_head_DxV()
+        served = []
+        for j in range(anchors.shape[1]):
+            a_B = anchors[:, j]
+            cache = drafter.append_context(drafter.init_context_cache(2, 20), feats, num_new_B=a_B)
+            bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
+            served.append(drafter.draft(cache, bonus, emb, head).hidden_BxKxD)
+        return hidden, served
+
     tokens = jax.random.randint(jax.random.key(7), (2, 16), 0, 90)
-    feats = target(tokens, feature_layers=cfg.target_layer_ids).features_BxTxnD
-    anchors = jnp.array([[13, 2, 8], [6, 11, 0]])
-    hidden = drafter.train_hidden(
-        feats,
-        tokens,
-        anchors,
-        jnp.ones((2, 3), bool),
-        target.embedding_VxD(),
-        attention=attention,
-        attention_chunk=3,
-    )
-    emb, head = target.embedding_VxD(), target.lm_head_DxV()
-    for j in range(anchors.shape[1]):
-        a_B = anchors[:, j]
-        cache = drafter.append_context(drafter.init_context_cache(2, 20), feats, num_new_B=a_B)
-        bonus = jnp.take_along_axis(tokens, a_B[:, None], axis=1)[:, 0]
-        out = drafter.draft(cache, bonus, emb, head)
-        np.testing.assert_allclose(out.hidden_BxKxD, hidden[:, j], atol=1e-5)
+    hidden, served = both(*windowed, tokens, jnp.array([[13, 2, 8], [6, 11, 0]]))
+    for j, out_hidden in enumerate(served):
+        np.testing.assert_allclose(out_hidden, hidden[:, j], atol=1e-5)
 
 
 def test_window_changes_the_draft_only_past_the_window(windowed):
@@ -212,9 +230,13 @@ def test_window_changes_the_draft_only_past_the_window(windowed):
     emb, head = target.embedding_VxD(), target.lm_head_DxV()
     feats = jax.random.normal(jax.random.key(8), (1, 12, 8 * 32))
 
-    def draft(d, f):
+    @nnx.jit  # eager dispatch would compile every op on its own
+    def _draft(d, f, emb, head):
         cache = d.append_context(d.init_context_cache(1, 16), f)
-        return np.asarray(d.draft(cache, jnp.array([3]), emb, head).logits_BxKm1xV)
+        return d.draft(cache, jnp.array([3]), emb, head).logits_BxKm1xV
+
+    def draft(d, f):
+        return np.asarray(_draft(d, f, emb, head))
 
     np.testing.assert_allclose(draft(drafter, feats[:, :1]), draft(full, feats[:, :1]), atol=1e-5)
     assert np.abs(draft(drafter, feats) - draft(full, feats)).max() > 1e-3

@@ -185,6 +185,14 @@ def _mesh(shape, names):
     return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
+@pytest.fixture(scope="module")
+def single_forward(hf_dirs, tokens):
+    """The all-sparse target's forward on one device (jitted: eager dispatch compiles every
+    op on its own), shared by both sharded layouts below."""
+    fwd = jax.jit(lambda m, t: m(t, feature_layers=(1,)))
+    return fwd(load_target(hf_dirs["all_sparse"][1]), jnp.asarray(tokens))
+
+
 @pytest.mark.parametrize(
     "shape,names,rules,expert_shard",
     [
@@ -194,10 +202,11 @@ def _mesh(shape, names):
         ((1, 2, 4), ("data", "fsdp", "tensor"), TRAIN_RULES, (4, 64, 8)),
     ],
 )
-def test_sharded_forward_equals_single_device(hf_dirs, tokens, shape, names, rules, expert_shard):
-    path = hf_dirs["all_sparse"][1]
-    single = load_target(path)(jnp.asarray(tokens), feature_layers=(1,))
-    model = load_target(path, mesh=_mesh(shape, names), rules=rules)
+def test_sharded_forward_equals_single_device(
+    hf_dirs, tokens, single_forward, shape, names, rules, expert_shard
+):
+    single = single_forward
+    model = load_target(hf_dirs["all_sparse"][1], mesh=_mesh(shape, names), rules=rules)
     up = model.layers[0].mlp.up_proj[...]  # [E, D, F] = [8, 64, 32]
     assert {s.data.shape for s in up.addressable_shards} == {expert_shard}
     fwd = jax.jit(lambda m, t: m(t, feature_layers=(1,)))
@@ -213,18 +222,20 @@ def test_routing_per_row_shard_equals_global(hf_dirs, tokens):
     output equals the single-device forward."""
     path = hf_dirs["all_sparse"][1]
     batch = jnp.asarray(np.concatenate([tokens] * 4))  # [4 · B, T]: 4 row shards
-    single = load_target(path)(batch, feature_layers=(1,))
+    fwd = jax.jit(lambda m, t, r: m(t, feature_layers=(1,), rows=r), static_argnums=2)
+    single = fwd(load_target(path), batch, None)  # one device
     mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"))
     model = load_target(path, mesh=mesh, rules=TRAIN_RULES)
     rows = RowLayout.of(mesh, TRAIN_RULES, batch.shape[0])
-    fwd = jax.jit(lambda m, t, r: m(t, feature_layers=(1,), rows=r), static_argnums=2)
-    out = fwd(model, batch, rows)
+    # each sharded program compiled once: run, and its HLO inspected below
+    compiled = {r: fwd.lower(model, batch, r).compile() for r in (None, rows)}
+    out = compiled[rows](model, batch)
     for name in ("logits_BxTxV", "features_BxTxnD"):
         got, want = np.asarray(getattr(out, name)), np.asarray(getattr(single, name))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
     def sorted_rows(r):
-        hlo = fwd.lower(model, batch, r).compile().as_text()
+        hlo = compiled[r].as_text()
         return {int(m.group(1)) for m in re.finditer(r"= \(?s32\[(\d+)\][^=]*sort\(", hlo)}
 
     routed = batch.size * 2  # top-2

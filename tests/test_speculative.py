@@ -369,14 +369,22 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     )
     state = jax.jit(skip.flush, static_argnums=0)(drafter, state)
     assert not np.any(state.policy_state.pending_B)
+
+    @nnx.jit  # one program for every row (eager dispatch compiles every op on its own)
+    def from_scratch(target, drafter, seq, n):
+        # causal: the padding after the first n tokens changes none of their features
+        feats = target(seq, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
+        return drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats, n)
+
     for row, prompt in enumerate(prompts):
         out = np.asarray(state.out_BxS[row, : int(state.num_out_B[row])]).tolist()
         # every committed token but the last (the bonus: its features come with the next step)
-        seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
-        n = seq.shape[1]
+        seq = prompt + out[:-1]
+        n = len(seq)
         assert int(state.context_cache.lengths[row]) == n
-        feats = target(seq, feature_layers=drafter.config.target_layer_ids).features_BxTxnD
-        ref = drafter.append_context(drafter.init_context_cache(1, CAPACITY), feats)
+        padded = jnp.asarray([seq + [0] * (CAPACITY - n)], jnp.int32)
+        ref = from_scratch(target, drafter, padded, jnp.array([n]))
+        assert int(ref.lengths[0]) == n
         for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
             np.testing.assert_allclose(got[row, :n], want[0, :n], atol=2e-5, rtol=1e-4)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,14 +126,18 @@ def test_last_layer_feature_is_hf_last_hidden_state_in_forward_and_verify(hf_dir
     want = np.concatenate([hf_hidden[3], hf_hidden[1]], axis=-1)  # layers (2, 0)
     assert np.abs(hf_hidden[3] - hf_hidden[2]).max() > 0.5  # post-norm differs from pre-norm
     layers = (2, 0)
-    plain = ours(jnp.asarray(tokens), feature_layers=layers).features_BxTxnD
-    np.testing.assert_allclose(np.asarray(plain), want, atol=1e-4, rtol=0)
     p = 7  # prefill p tokens into the cache, then verify the rest without writing it
-    prefill = ours(jnp.asarray(tokens[:, :p]), cache=ours.init_cache(2, 16), feature_layers=layers)
-    np.testing.assert_allclose(np.asarray(prefill.features_BxTxnD), want[:, :p], atol=1e-4)
-    verify = ours(
-        jnp.asarray(tokens[:, p:]), cache=prefill.cache, cache_mode="read", feature_layers=layers
-    )
+
+    @nnx.jit  # the three forwards as one program (eager dispatch compiles every op alone)
+    def three_ways(model, tokens):
+        plain = model(tokens, feature_layers=layers)
+        prefill = model(tokens[:, :p], cache=model.init_cache(2, 16), feature_layers=layers)
+        verify = model(tokens[:, p:], cache=prefill.cache, cache_mode="read", feature_layers=layers)
+        return plain.features_BxTxnD, prefill.features_BxTxnD, verify
+
+    plain, prefill_feats, verify = three_ways(ours, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(plain), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(prefill_feats), want[:, :p], atol=1e-4)
     logits, feats = verify.logits_BxTxV, verify.features_BxTxnD
     np.testing.assert_allclose(np.asarray(feats), want[:, p:], atol=1e-4, rtol=0)
     hf_logits, _ = _hf_forward(hf_model, tokens)

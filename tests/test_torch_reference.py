@@ -151,6 +151,14 @@ def engine_runs(setup):
     return _engine(setup, setup["root"] / "drafter")
 
 
+@nnx.jit  # one program per drafter (eager dispatch would compile every op on its own)
+def _our_draft(drafter, feats, bonus, emb, head):
+    """Our drafter's draft (and its ratio r) from a context of `feats`."""
+    cache = drafter.append_context(drafter.init_context_cache(2, 16), feats)
+    out = drafter.draft(cache, bonus, emb, head)
+    return out, drafter.length_head(out.hidden_BxKxD)
+
+
 def test_drafts_and_ratio_match_ours(setup):
     """Same context features (transformers' target) into both drafters, fp32: logits, block
     states and r agree to 1e-4."""
@@ -167,9 +175,9 @@ def test_drafts_and_ratio_match_ours(setup):
     ours = load_drafter(setup["root"] / "drafter")
     emb = jnp.asarray(target.get_input_embeddings().weight.numpy())
     head = jnp.asarray(target.get_output_embeddings().weight.numpy().T)
-    cache = ours.append_context(ours.init_context_cache(2, 16), jnp.asarray(feats.numpy()))
-    out = ours.draft(cache, jnp.asarray(bonus.numpy(), jnp.int32), emb, head)
-    r = ours.length_head(out.hidden_BxKxD)
+    out, r = _our_draft(
+        ours, jnp.asarray(feats.numpy()), jnp.asarray(bonus.numpy(), jnp.int32), emb, head
+    )
     assert np.abs(logits_t).max() > 1.0 and np.ptp(r_t) > 1e-3  # not near-constant outputs
     np.testing.assert_allclose(np.asarray(out.logits_BxKm1xV), logits_t, atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(out.hidden_BxKxD), hidden_t.numpy(), atol=1e-4, rtol=0)
@@ -204,10 +212,10 @@ def test_sliding_window_drafts_match_the_torch_reference_past_the_window(setup):
     logits = {}
     for name in ("windowed", "drafter"):
         ours = load_drafter(root / name)
-        cache = ours.append_context(ours.init_context_cache(2, 16), jnp.asarray(feats.numpy()))
-        logits[name] = np.asarray(
-            ours.draft(cache, jnp.asarray(bonus.numpy(), jnp.int32), emb, head).logits_BxKm1xV
+        out, _ = _our_draft(
+            ours, jnp.asarray(feats.numpy()), jnp.asarray(bonus.numpy(), jnp.int32), emb, head
         )
+        logits[name] = np.asarray(out.logits_BxKm1xV)
     assert theirs.layers[0].self_attn.window == 5 and theirs.layers[1].self_attn.window is None
     np.testing.assert_allclose(logits["windowed"], want.numpy(), atol=1e-4, rtol=0)
     assert np.abs(logits["windowed"] - logits["drafter"]).max() > 1e-2

@@ -171,11 +171,14 @@ def test_cli_bad_input_is_one_line(capsys):
         assert err.strip().count("\n") == 0 and want in err, err
 
 
-def test_cli_writes_the_report(tmp_path):
+def test_cli_writes_the_report(tmp_path, capsys):
+    # in-process (a subprocess would only add a jax/libtpu start-up): the CLI's main
     path = tmp_path / "tiny.json"
-    out = _cli("--topology", "v5p-8", "--only", "draft", "--json", str(path))
-    assert out.returncode == 0, out.stderr
-    assert "compiler estimates" in out.stdout and "| draft B=16 |" in out.stdout
+    assert (
+        tpu_compile_cli.main(["--topology", "v5p-8", "--only", "draft", "--json", str(path)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "compiler estimates" in out and "| draft B=16 |" in out
     data = json.loads(path.read_text())
     assert data["label"].startswith("compiler estimates") and data["uncosted_kernels"] == []
     assert data["topology"] == "v5p:2x2x1" and data["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}

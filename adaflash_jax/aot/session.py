@@ -26,7 +26,8 @@ def _mesh(sl: Slice, shape):
     return make_mesh(*shape, devices=slice_devices(sl))
 
 
-def _compile_all(progs, sl: Slice, log) -> list[R.Figures]:
+def _compile_all(progs, sl: Slice, log=None) -> list[R.Figures]:
+    log = sys.stderr if log is None else log  # looked up now: a stream swapped in later counts
     figs = []
     for i, p in enumerate(progs, 1):
         f = R.compile_program(p, sl.chip, sl.chips)
@@ -51,7 +52,7 @@ def _meta(cfg: RunConfig, sl: Slice, mesh_shape, mode: str, overrides: dict) -> 
 
 
 def compile_run(
-    cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=sys.stderr
+    cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=None
 ):
     target = run_target(cfg)
     dcfg = run_drafter(cfg, target)
@@ -63,7 +64,7 @@ def compile_run(
 
 def compile_serve(
     cfg: RunConfig, sl: Slice, *, rows, capacity: int, widths=None, overrides=None,
-    log=sys.stderr,
+    log=None,
 ):  # fmt: skip
     """Decoding with the weights split over all chips (mesh (1, 1, chips), DECODE_RULES:
     a dimension the tensor axis does not divide stays whole), bf16 target and drafter."""
