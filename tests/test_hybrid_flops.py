@@ -1,0 +1,82 @@
+"""Useful FLOPs of hybrid Gated-DeltaNet targets (`aot/flops.py`, the numerator of MFU): each
+layer's matmul weights as the model builds them (abstractly: no weights allocated), attention
+pairs only on the full-attention layers, and MoE counting its active experts and the shared
+expert."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from adaflash_jax.aot import flops
+from adaflash_jax.model.presets import target_preset
+from adaflash_jax.model.target import TargetLM
+
+
+def _layer_matmul_weights(cfg):
+    """Per layer: the weights one token multiplies, read off the abstract model (every 2-D
+    kernel; of a [E, ...] expert tensor, the k routed experts' share)."""
+    model = nnx.eval_shape(
+        lambda: TargetLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    )
+    out = [0] * cfg.num_hidden_layers
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[0] != "layers":
+            continue
+        n = 1
+        for d in v.shape:
+            n *= d
+        if path[-1] == "kernel":
+            out[path[1]] += n
+        elif path[-1] in ("gate_proj", "up_proj", "down_proj") and len(v.shape) == 3:
+            out[path[1]] += n * cfg.num_experts_per_tok // cfg.num_experts
+    return out
+
+
+@pytest.mark.parametrize("name", ["test-hybrid", "qwen3.5-9b", "qwen3.6-35b-a3b"])
+def test_layer_flops_are_the_models_matmul_weights(name):
+    cfg = target_preset(name)
+    assert [flops.target_layer_active(cfg, i) for i in range(cfg.num_hidden_layers)] == (
+        _layer_matmul_weights(cfg)
+    )
+
+
+def test_hybrid_forward_against_its_dense_twin():
+    """The 9B against the same config with every layer full attention: a DeltaNet layer trades
+    the gated attention's weights and causal pairs for its projections, conv and delta rule."""
+    hybrid = target_preset("qwen3.5-9b")
+    twin = dataclasses.replace(hybrid, layer_types=("full_attention",) * 32)
+    b, s, d = 2, 2048, hybrid.hidden_size
+    h, kv, dh = hybrid.num_attention_heads, hybrid.num_key_value_heads, hybrid.head_dim
+    jk, dk, j, dv = 16, 128, 32, 128
+    x = 2 * jk * dk + j * dv
+    deltanet = d * x + d * j * dv + 2 * d * j + j * dv * d
+    attention = 3 * d * h * dh + 2 * d * kv * dh  # q (with its gate), k, v, o
+    assert flops.target_layer_active(twin, 0) - flops.target_layer_active(hybrid, 0) == (
+        attention - deltanet
+    )
+    rule = j * (6.0 * dk * dv + 65 / 2 * (6 * dk + 4 * dv)) + 2 * 4 * x  # Tc = 64
+    pairs = 4.0 * h * dh * b * s * (s + 1) / 2
+    expected = 24 * (2.0 * (attention - deltanet) * b * s + pairs - rule * b * s)
+    assert flops.target_forward(twin, b, s) - flops.target_forward(hybrid, b, s) == (
+        pytest.approx(expected)
+    )
+    # the chunked rule is a few % of a DeltaNet layer's matmuls at Tc = 64
+    assert 0.02 < rule / (2 * deltanet) < 0.05
+
+
+def test_moe_hybrid_counts_active_and_shared_experts():
+    """Qwen3.6-35B-A3B: a token multiplies the router, 8 of 256 experts and the shared expert
+    with its gate; about 3e9 active parameters with the embedding and head."""
+    cfg = target_preset("qwen3.6-35b-a3b")
+    d = cfg.hidden_size
+    per_layer = [flops.target_layer_active(cfg, i) for i in range(cfg.num_hidden_layers)]
+    shared = 3 * d * cfg.shared_expert_intermediate_size + d
+    routed = 8 * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
+    assert per_layer[3] - per_layer[0] == (
+        flops._mixer_active(cfg, 3) - flops._mixer_active(cfg, 0)
+    )
+    assert per_layer[0] == flops._mixer_active(cfg, 0) + routed + shared
+    active = sum(per_layer) + 2 * cfg.vocab_size * d
+    assert 2.5e9 < active < 3.5e9
