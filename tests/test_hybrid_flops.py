@@ -1,7 +1,8 @@
-"""Useful FLOPs of hybrid Gated-DeltaNet targets (`aot/flops.py`, the numerator of MFU): each
-layer's matmul weights as the model builds them (abstractly: no weights allocated), attention
-pairs only on the full-attention layers, and MoE counting its active experts and the shared
-expert."""
+"""The planner and aot pieces on hybrid Gated-DeltaNet targets: useful FLOPs (`aot/flops.py`,
+the numerator of MFU: each layer's matmul weights as the model builds them, abstractly;
+attention pairs only on the full-attention layers; MoE counting its active experts and the
+shared expert) and the memory planner's decode state (K/V only on attention layers, a
+recurrent state on the DeltaNet ones)."""
 
 import dataclasses
 
@@ -80,3 +81,29 @@ def test_moe_hybrid_counts_active_and_shared_experts():
     assert per_layer[0] == flops._mixer_active(cfg, 0) + routed + shared
     active = sum(per_layer) + 2 * cfg.vocab_size * d
     assert 2.5e9 < active < 3.5e9
+
+
+def test_planner_counts_recurrent_state_not_kv_on_deltanet_layers():
+    """The 9B's decode state per row: K/V on its 8 attention layers, and on each of its 24
+    DeltaNet layers the fp32 delta state [32, 128, 128] and conv history [3, 8192]."""
+    from adaflash_jax.plan import estimate
+    from adaflash_jax.plan.inputs import PlanInputs
+    from adaflash_jax.plan.memory_estimate import recurrent_state_bytes
+    from adaflash_jax.plan.params import DrafterShape, target_layer_params
+
+    hybrid = target_preset("qwen3.5-9b")
+    assert recurrent_state_bytes(hybrid) == 4 * (32 * 128 * 128 + 3 * 8192) == 2_195_456
+    twin = dataclasses.replace(hybrid, layer_types=("full_attention",) * 32)
+    kw = dict(mesh=(1, 1, 1), batch_size=1, seq_len=2048, num_anchors=512, collect_slots=4)
+    plans = {
+        t: estimate(PlanInputs(target=t, drafter=DrafterShape.like_target(t), **kw))
+        for t in (hybrid, twin)
+    }
+    per_row_token = 2 * 4 * 256 * 2  # K and V, 4 kv heads of 256, bf16
+    assert plans[twin].term("target KV cache") == 32 * 4 * 2048 * per_row_token
+    assert plans[hybrid].term("target KV cache") == 8 * 4 * 2048 * per_row_token
+    assert plans[hybrid].term("target recurrent state (fp32)") == 24 * 4 * 2_195_456
+    assert plans[twin].term("target recurrent state (fp32)") == 0
+    # FSDP gathers the larger layer kind: the 9B's DeltaNet (67.4M) over its attention (58.7M)
+    names = {s.name for s in target_layer_params(hybrid)}
+    assert "in_proj_qkv" in names and "q_proj" not in names
