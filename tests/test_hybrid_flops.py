@@ -107,3 +107,42 @@ def test_planner_counts_recurrent_state_not_kv_on_deltanet_layers():
     # FSDP gathers the larger layer kind: the 9B's DeltaNet (67.4M) over its attention (58.7M)
     names = {s.name for s in target_layer_params(hybrid)}
     assert "in_proj_qkv" in names and "q_proj" not in names
+
+
+def test_triangular_solve_seconds_are_added_back():
+    """XLA's TPU cost model counts the custom call `triangular_solve` lowers to
+    (InvertDiagBlocksLowerTriangular) as -1 s, as it does ConcatBitcast: the report adds it
+    back, so a chunked delta rule gets a small positive estimate."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from adaflash_jax.aot.program import Program
+    from adaflash_jax.aot.report import compile_program
+    from adaflash_jax.aot.topology import parse_slice, slice_devices
+    from adaflash_jax.model.delta_rule import chunked_form
+
+    s = parse_slice("v5p-8")
+    one = SingleDeviceSharding(slice_devices(s)[0])
+    b, t, j, d = 1, 128, 2, 16
+    arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=one)  # noqa: E731
+    args = (arg(b, t, j, d), arg(b, t, j, d), arg(b, t, j, d), arg(b, t, j), arg(b, t, j))
+    p = Program(
+        name="chunked rule",
+        kind="decode",
+        fn=jax.jit(lambda *a: chunked_form(*a, chunk=64)),
+        args=(*args, arg(b, j, d, d)),
+    )
+    f = compile_program(p, s.chip, 1)
+    assert f.compiled, f.error
+    assert f.xla_optimal_seconds < -0.9 and f.triangular_inversions == 1
+    assert 0 < f.optimal_seconds < 0.01
+
+
+def test_dense_twin():
+    from adaflash_jax.aot.abstract import dense_twin
+    from adaflash_jax.model.config import ConfigError
+
+    twin = dense_twin(target_preset("qwen3.5-9b"))
+    assert twin.is_hybrid and not any(twin.is_linear_layer(i) for i in range(32))
+    with pytest.raises(ConfigError, match="hybrid"):
+        dense_twin(target_preset("qwen3-8b"))
