@@ -3,11 +3,13 @@ compiler's estimates (FLOPs, step time, MFU, decode step against the weight-read
 
   python -m experiments.tpu_compile --config experiments/configs/qwen3_8b_v5p.py --topology v5p-64
   python -m experiments.tpu_compile --config C --topology v5e-8 --serve --cost-table T.json
+  python -m experiments.tpu_compile --config C --topology v5p-8 --serve --dense-twin  # hybrid C
 
 Needs libtpu: `pip install "jax[tpu]==<jax version>"` (the test extras install it). --serve
 compiles decoding with tensor-parallel weights over the whole slice instead of the run's
-programs. Exit 0: everything fits; 1: a program does not fit (or the compiler refused it);
-2: bad input.
+programs; --dense-twin replaces a hybrid target by its twin with every layer full attention
+(what the recurrent state's rollback is measured against). Exit 0: everything fits; 1: a
+program does not fit (or the compiler refused it); 2: bad input.
 """
 
 from __future__ import annotations
