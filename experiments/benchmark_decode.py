@@ -39,7 +39,7 @@ from adaflash_jax.model.target import TargetLM
 
 # Eagerly built random targets (CPU sizes); GPU shapes go through `--shape`. "micro-moe" has
 # micro's active parameters per token (a mixture of experts against its dense twin).
-CPU_SHAPES = ("test", "micro", "tiny", "micro-moe")  # model/presets.py names
+CPU_SHAPES = ("test", "micro", "tiny", "micro-moe", "micro-hybrid")  # model/presets.py names
 
 
 def build_random_target(shape: str, *, dtype=jnp.float32, seed: int = 0) -> TargetLM:

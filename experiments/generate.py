@@ -39,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    p.add_argument(
+        "--thinking",
+        action="store_true",
+        help="--chat: render with enable_thinking=true (default false, as distillation does)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s = p.add_argument_group("speculative decoding (with --drafter)")
@@ -70,7 +75,9 @@ def build_requests(args, tok: Tokenizer | None) -> list[list[int]]:
     if args.prompt and tok is None:
         raise SystemExit("--prompt needs a tokenizer.json in the target dir; use --prompt-ids")
     prompts = [
-        tok.encode_chat([{"role": "user", "content": t}]) if args.chat else tok.encode(t)
+        tok.encode_chat([{"role": "user", "content": t}], enable_thinking=args.thinking)
+        if args.chat
+        else tok.encode(t)
         for t in args.prompt
     ]
     prompts += [[int(x) for x in s.split(",") if x.strip()] for s in args.prompt_ids]

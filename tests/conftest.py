@@ -6,15 +6,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tiny test models are compile-bound. A lower LLVM optimisation level and XLA:CPU's older
 # elemental fusion emitter (instead of the MLIR fusion emitters) each cut compile times
 # several-fold and leave results unchanged at the tolerances the tests use. Subprocesses
-# the tests start inherit these flags through the environment. XLA:CPU's concurrency-optimised
-# scheduler is off: with it, a hybrid target's FSDP step on the 8 fake devices (one process,
-# collectives between threads) stopped in a collective and never returned.
-_FLAGS = (
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-)
-for _flag in _FLAGS:
+# the tests start inherit these flags through the environment.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 

@@ -1,6 +1,7 @@
 """Test doubles of the engine's pluggable parts, each implementing its protocol: a drafter
 (`EngineDrafter`), length policies (`LengthPolicy`; one drives goodput's skip arm on a fixed
-schedule) and a deliberately biased acceptance rule."""
+schedule), a deliberately biased acceptance rule, and a chat template that branches on
+thinking mode as Qwen3 / Qwen3.5's do."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ from adaflash_jax.decode.acceptance import target_probs
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.drafter.model import DraftOutput
 from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.tokenizer import CHATML_TEMPLATE
 
 
 class TableDrafter(nnx.Module):
@@ -112,3 +114,11 @@ def always_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperatu
     p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
     p_at_BxV = p_BxKxV[jnp.arange(b), accepted_B]
     return accepted_B, jax.random.categorical(key, jnp.log(p_at_BxV), axis=-1).astype(jnp.int32)
+
+
+# Qwen3 / Qwen3.5's generation prompt: with enable_thinking false, an empty think block
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)

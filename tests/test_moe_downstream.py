@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from doubles import THINKING_TEMPLATE
 from flax import nnx
 
 from adaflash_jax.drafter.checkpoint import load_drafter
@@ -17,7 +18,7 @@ from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.checkpoint import save_target
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
-from adaflash_jax.tokenizer import CHATML_TEMPLATE, write_byte_tokenizer
+from adaflash_jax.tokenizer import write_byte_tokenizer
 from experiments import distill as distill_cli
 from experiments import export as export_cli
 from experiments import generate as generate_cli
@@ -31,7 +32,8 @@ def get_config():
         name="moe_micro", batch_size=8, seq_len=32, num_anchors=4,
         log_every=1,
         data=DataSpec(train_prompts={prompts!r}, eval_prompts={prompts!r}, train_per_domain=4,
-                      eval_per_domain=2, max_prompt_len=12, max_new_tokens=12, regen_batch=8),
+                      eval_per_domain=2, max_prompt_len=12, max_new_tokens=12, regen_batch=8,
+                      chat_template=True),
         draft=DraftSpec(layers=1, block_size=4, target_layer_ids=(0, 2)),
         stage1=Stage1Spec(steps=2), head_init=HeadInitSpec(steps=1),
         stage2=Stage2Spec(rounds=1, steps_per_round=1, prompts_per_round=8,
@@ -48,7 +50,7 @@ def dirs(tmp_path_factory):
     init_drafter."""
     root = tmp_path_factory.mktemp("moe_cli")
     target = str(root / "target")
-    vocab = write_byte_tokenizer(target, chat_template=CHATML_TEMPLATE)
+    vocab = write_byte_tokenizer(target, chat_template=THINKING_TEMPLATE)
     cfg = target_preset(
         "test-hybrid",
         model_type="qwen3_5_moe_text",
@@ -106,6 +108,12 @@ def test_distill_and_export_with_a_hybrid_moe_target(dirs):
     assert set(report["tau"]) == {"stage1", "adaflash"}
     assert all(1.0 <= t <= 4.0 for per in report["tau"].values() for t in per.values())
     exported = load_drafter(os.path.join(run_dir, "export", "adaflash"))
+    with open(os.path.join(run_dir, "export", "adaflash", "config.json")) as f:
+        # prompts were chat-templated with thinking off (the reference's setting), recorded
+        assert json.load(f)["adaflash_prompt_format"] == {
+            "chat_template": True,
+            "enable_thinking": False,
+        }
     assert exported.config.target_layer_ids == (0, 2) and exported.length_head is not None
     out = str(root / "exported_again")
     assert export_cli.main([run_dir, "--out", out]) == 0

@@ -4,6 +4,7 @@ template; truncation keeps the end; per-domain choice; per-host shards."""
 import json
 
 import pytest
+from doubles import THINKING_TEMPLATE
 
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.tokenizer import CHATML_TEMPLATE, Tokenizer, write_byte_tokenizer
@@ -103,3 +104,15 @@ def test_stage2_pool_is_disjoint_from_stage1(tmp_path):
     assert len(pool) == 8 and {p.domain for p in pool} == {"c"}
     # the pool "stage1" replays stage 1's sequences: no fresh prompts are drawn
     assert _stage2_prompts(C.override(cfg, {"stage2.pool": "'stage1'"}), first) == []
+
+
+def test_thinking_mode_reaches_the_template(tmp_path):
+    """A template that branches on `enable_thinking` (as Qwen3 / Qwen3.5's do): distillation
+    renders with it off by default (the reference's setting), and on when asked."""
+    write_byte_tokenizer(str(tmp_path), chat_template=THINKING_TEMPLATE)
+    tok = Tokenizer(str(tmp_path))
+    prompt = [P.Prompt(domain="d", text="hi")]
+    off = P.encode(prompt, tok, chat_template=True, max_len=99)[0]
+    on = P.encode(prompt, tok, chat_template=True, max_len=99, enable_thinking=True)[0]
+    assert tok.decode(off, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    assert tok.decode(on, skip_special_tokens=False).endswith("assistant\n")

@@ -12,6 +12,7 @@ from adaflash_jax.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
     TokenizerError,
+    _byte_to_unicode,
     write_byte_tokenizer,
 )
 
@@ -152,3 +153,33 @@ def test_errors(word_dir, tmp_path):
     tok.chat_template = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(Exception, match="unsafe|access"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_qwen35_sized_vocabulary_and_thinking_template_match_transformers(tmp_path):
+    """A tokenizer the size of Qwen3.5's (special tokens above id 248,000, as its
+    <|endoftext|> 248044 and <|im_end|> 248046) with a template that branches on thinking
+    mode: our rendering and token ids equal transformers' for both settings."""
+    transformers = pytest.importorskip("transformers")
+    from doubles import THINKING_TEMPLATE
+
+    vocab = {c: b for b, c in _byte_to_unicode().items()}
+    vocab.update({f"<|filler_{i}|>": i for i in range(256, 248044)})
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    config["chat_template"] = THINKING_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = Tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.token_to_id(ours.eos_token) == hf.eos_token_id == 248046
+    messages = [{"role": "user", "content": "Write a haiku"}]
+    for thinking in (False, True):
+        want = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+        assert ours.apply_chat_template(messages, enable_thinking=thinking) == want
+        ids = ours.encode_chat(messages, enable_thinking=thinking)
+        assert ids == hf(want, add_special_tokens=False)["input_ids"]
+        assert (248047 in ids) == (not thinking)  # <think> only when thinking is off

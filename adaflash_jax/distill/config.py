@@ -52,6 +52,11 @@ class DataSpec:
     # Stage-2 prompts (stage2.pool = "fresh"). None: the train prompts stage 1 did not use.
     stage2_prompts: str | None = None
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's template
+    # Passed to the chat template (Qwen3 / Qwen3.5 templates branch on it). Off, as the AdaFlash
+    # reference renders every prompt and z-lab's drafters are trained: a thinking-mode target
+    # writes <think> text the drafter then must predict (z-lab/dflash #133: acceptance 25 %
+    # with thinking on against 60 % off). Recorded in the export's config.json.
+    enable_thinking: bool = False
     domains: tuple[str, ...] = ()  # () → every domain the prompts carry
     train_per_domain: int = 64  # prompts regenerated per domain for stage 1 / head init
     eval_per_domain: int = 8

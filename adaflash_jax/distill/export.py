@@ -30,6 +30,7 @@ from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile
 
 DRAFTER_CONFIG = "drafter_config.json"
+PROMPT_FORMAT_KEY = "adaflash_prompt_format"  # config.json: {"chat_template", "enable_thinking"}
 PLAIN_SUBDIR = "dflash"  # the plain DFlash copy inside a run's AdaFlash export
 
 
@@ -42,15 +43,24 @@ def host_params(params):
     return multihost_utils.process_allgather(params, tiled=True)
 
 
-def export_drafter(graphdef: nnx.GraphDef, params, path: str) -> str | None:
+def prompt_format(data) -> dict:
+    """How the run rendered its prompts (a `DataSpec`): recorded in the export's config.json
+    under `PROMPT_FORMAT_KEY`, so whoever serves the drafter renders prompts the same way."""
+    return {"chat_template": data.chat_template, "enable_thinking": data.enable_thinking}
+
+
+def export_drafter(
+    graphdef: nnx.GraphDef, params, path: str, *, prompt_format: dict | None = None
+) -> str | None:
     """Writes the AdaFlash export and its plain DFlash copy (`<path>/dflash`) on process 0;
     every process must call it. Returns the path."""
     host = host_params(params)
     if jax.process_index() != 0:
         return None
     drafter = nnx.merge(graphdef, host)
-    save_for_stack(drafter, path, "adaflash")
-    save_for_stack(drafter, fs.join(fs.absolute(path), PLAIN_SUBDIR), "vllm")
+    meta = {PROMPT_FORMAT_KEY: prompt_format} if prompt_format else None
+    save_for_stack(drafter, path, "adaflash", meta=meta)
+    save_for_stack(drafter, fs.join(fs.absolute(path), PLAIN_SUBDIR), "vllm", meta=meta)
     if note := last_layer_warning(drafter.config):
         warnings.warn(note, UserWarning, stacklevel=2)
     return path

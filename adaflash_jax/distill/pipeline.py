@@ -30,7 +30,7 @@ from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.distill.context import Context, prepare
-from adaflash_jax.distill.export import export_drafter, save_drafter_config
+from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
 from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate, stage1_long_steps
@@ -67,6 +67,7 @@ def _encode(ctx: Context, prompts) -> list[list[int]]:
         ctx.tokenizer,
         chat_template=cfg.data.chat_template,
         max_len=cfg.data.max_prompt_len,
+        enable_thinking=cfg.data.enable_thinking,
     )
 
 
@@ -198,7 +199,11 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     tau = {m: evaluate(trainer, p, data.eval, data.eval_ids) for m, p in finals.items()}
     t = mark("evaluate", t)
     d_graph = trainer.d_graph
-    exports = {m: export_drafter(d_graph, p, ctx.path("export", m)) for m, p in finals.items()}
+    fmt = prompt_format(cfg.data)
+    exports = {
+        m: export_drafter(d_graph, p, ctx.path("export", m), prompt_format=fmt)
+        for m, p in finals.items()
+    }
     mark("export", t)
     return {
         "tau": tau,

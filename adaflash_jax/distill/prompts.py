@@ -127,14 +127,22 @@ def per_domain(
 
 
 def encode(
-    prompts: Sequence[Prompt], tokenizer, *, chat_template: bool, max_len: int
+    prompts: Sequence[Prompt],
+    tokenizer,
+    *,
+    chat_template: bool,
+    max_len: int,
+    enable_thinking: bool = False,
 ) -> list[list[int]]:
-    """Token ids per prompt; a prompt longer than `max_len` keeps its last tokens."""
+    """Token ids per prompt; a prompt longer than `max_len` keeps its last tokens. With the
+    chat template, `enable_thinking` goes to it (the Qwen3 / Qwen3.5 templates branch on it)."""
     out = []
     for p in prompts:
         if chat_template:
             messages = list(p.messages or ({"role": "user", "content": p.text},))
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            ids = tokenizer.encode_chat(
+                messages, add_generation_prompt=True, enable_thinking=enable_thinking
+            )
         else:
             text = p.text if p.text is not None else "\n".join(m["content"] for m in p.messages)
             ids = tokenizer.encode(text)

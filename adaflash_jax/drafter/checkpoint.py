@@ -295,7 +295,12 @@ def _host_tensors(table, dtype) -> dict[str, np.ndarray]:
 
 
 def save_drafter(
-    drafter: Drafter, path: str | os.PathLike, *, dtype=jnp.bfloat16, length_head: bool = True
+    drafter: Drafter,
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.bfloat16,
+    length_head: bool = True,
+    meta: dict | None = None,
 ) -> None:
     """Writes the export to a local directory or a `gs://` URL; every weight file lands before
     config.json (the completion marker), so a torn write is never loadable. The acceptance
@@ -325,7 +330,7 @@ def save_drafter(
     )
     cfg = config_to_hf(config)
     cfg["dtype"] = cfg["torch_dtype"] = tensors["fc.weight"].dtype.name
-    fs.write_text(cfg_file, json.dumps(cfg, indent=2))
+    fs.write_text(cfg_file, json.dumps({**cfg, **(meta or {})}, indent=2))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,13 +136,14 @@ def stack_warnings(cfg: DrafterConfig, name: str) -> list[str]:
 
 
 def save_for_stack(
-    drafter: Drafter, path: str | os.PathLike, name: str, *, dtype=jnp.bfloat16
+    drafter: Drafter, path: str | os.PathLike, name: str, *, dtype=jnp.bfloat16, meta=None
 ) -> list[str]:
     """Writes the layout `name` loads to `path`; returns the warnings: what that stack serves
-    differently from our engine."""
+    differently from our engine. `meta`: extra top-level config.json keys (loaders ignore
+    them)."""
     s = stack(name)
     notes = stack_warnings(drafter.config, name)
     if s.name in ("adaflash", "sglang") and (w := last_layer_warning(drafter.config)):
         notes.append(w)
-    save_drafter(drafter, path, dtype=dtype, length_head=s.length_head)
+    save_drafter(drafter, path, dtype=dtype, length_head=s.length_head, meta=meta)
     return notes

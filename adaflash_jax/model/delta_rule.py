@@ -12,6 +12,11 @@ Two forms compute it, in float32:
   (I + A) U = β·(v − decayed state reads), A[i, j] = β_i (k_i·k_j) exp(G_i − G_j) for j < i
   (G the in-chunk cumulative decay), solved once per chunk; chunks then pass the state on.
   Training and prefill use it: the per-token scan is T sequential steps, this is T/Tc.
+  A is strictly lower triangular, so nilpotent: (I + A)^-1 = (I − A)(I + A²)(I + A⁴)…, log2 Tc
+  squarings and products of Tc × Tc matrices (`unit_lower_inverse`). Matmuls only: the MXU
+  runs them, XLA's cost model counts them, and no LAPACK custom call runs (XLA:CPU's batched
+  triangular solve waited on a thread pool its own callers held, hanging 8-device runs).
+  With one chunk (T ≤ Tc: decoding's verify and replay) there is no loop over chunks.
 A token with g = 0 and β = 0 leaves the state as it was: masking does that for padding and for
 drafted tokens a row did not accept.
 """
@@ -77,13 +82,12 @@ def chunked_form(
     strict_TcxTc = jnp.tril(jnp.ones((tc, tc), bool), -1)
     kk = jnp.einsum("nbjrd,nbjsd->nbjrs", k, k)
     a_NcxBxJxTcxTc = jnp.where(strict_TcxTc, beta_NcxBxJxTc[..., None] * kk * decay_NcxBxJxTcxTc, 0)
-    system = a_NcxBxJxTcxTc + jnp.eye(tc, dtype=f32)
     # U = (I + A)^-1 β v and W = (I + A)^-1 β exp(G) k: the chunk's writes before the state
     rhs = jnp.concatenate(
         [beta_NcxBxJxTc[..., None] * v, (beta_NcxBxJxTc * jnp.exp(cum_NcxBxJxTc))[..., None] * k],
         axis=-1,
     )
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True)
+    solved = unit_lower_inverse(a_NcxBxJxTcxTc) @ rhs
     u_NcxBxJxTcxDv, w_NcxBxJxTcxDk = solved[..., :dv], solved[..., dv:]
     qk_NcxBxJxTcxTc = jnp.einsum("nbjrd,nbjsd->nbjrs", q, k) * decay_NcxBxJxTcxTc
 
@@ -99,6 +103,23 @@ def chunked_form(
         return state, out
 
     xs = (q, k, u_NcxBxJxTcxDv, w_NcxBxJxTcxDk, qk_NcxBxJxTcxTc, cum_NcxBxJxTc)
-    state, out_NcxBxJxTcxDv = jax.lax.scan(one_chunk, state_BxJxDkxDv.astype(f32), xs)
+    if nc == 1:
+        state, out = one_chunk(state_BxJxDkxDv.astype(f32), jax.tree.map(lambda x: x[0], xs))
+        out_NcxBxJxTcxDv = out[None]
+    else:
+        state, out_NcxBxJxTcxDv = jax.lax.scan(one_chunk, state_BxJxDkxDv.astype(f32), xs)
     out_BxTxJxDv = jnp.moveaxis(out_NcxBxJxTcxDv, 3, 2).transpose(1, 0, 2, 3, 4)
     return out_BxTxJxDv.reshape(b, nc * tc, j, dv)[:, :t], state
+
+
+def unit_lower_inverse(a_xTcxTc):
+    """(I + A)^-1 for strictly lower triangular A [..., Tc, Tc]: since A^Tc = 0,
+    (I + A)(I − A)(I + A²)(I + A⁴)…(I + A^m) = I − A^2m = I once 2m ≥ Tc."""
+    tc = a_xTcxTc.shape[-1]
+    eye = jnp.eye(tc, dtype=a_xTcxTc.dtype)
+    inverse, power, m = eye - a_xTcxTc, a_xTcxTc, 2
+    while m < tc:
+        power = power @ power  # A^m
+        inverse = inverse @ (eye + power)
+        m *= 2
+    return inverse

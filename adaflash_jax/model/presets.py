@@ -102,6 +102,11 @@ PRESETS: dict[str, Callable[[], TargetConfig]] = {
     # the hybrid tests' target: linear, full, linear (an attention layer every second; the
     # parity tests build odd shapes of their own)
     "test-hybrid": lambda: _hybrid(128, 32, 64, 3, 4, 2, 16, every=2, linear=(2, 8, 4, 8, 4)),
+    # micro as a hybrid (DeltaNet then gated attention; DeltaNet 2 key / 4 value heads of 16):
+    # the CPU hybrid benchmark, against micro as its dense twin (same D, L, MLP, V)
+    "micro-hybrid": lambda: _hybrid(
+        512, 64, 128, 2, 4, 2, 16, every=2, linear=(2, 16, 4, 16, 4), rope_theta=PRETRAIN_ROPE
+    ),
     "qwen3.5-9b": lambda: _hybrid(
         248320, 4096, 12288, 32, 16, 4, 256, every=4, linear=_QWEN35_LINEAR, **_QWEN35
     ),
