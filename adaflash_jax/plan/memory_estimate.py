@@ -40,7 +40,7 @@ Formulas, per device (`estimate` computes exactly these):
                                         + fresh caches (La + Ld)*2*R*C*Kv_t*Dh*a + fresh states
                               verify  = 2*R*K*V_t*4 + R*H_t*K*C*(4 + a)
                                         + Ll*R*K*(X + J*(Dk + Dv + 2))*4   (the recurrence's
-                                          per-token inputs the verify returns, §5.2)
+                                          inputs per token, docs/design.md §5.2)
 peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
 """
 

@@ -6,7 +6,7 @@ Target (docs/design.md §2.1): 32 layers, D 4096, every 4th layer gated full att
 of 128, conv 4 taps), dense MLP F 12288, V 248320, rope theta 1e7. Drafter (the reference's
 configs/qwen3.5-9b-dflash-thresh-head.json): 5 Qwen3 layers, hidden 4096, 32 q / 8 kv heads
 of 128 (not the target's 16 / 4 of 256: `draft.heads`), MLP 12288, block 16, features from
-target layers [1, 8, 15, 22, 29] (the §2 defaults for 32 layers), mask token 248070, rope
+target layers [1, 8, 15, 22, 29] (docs/design.md §2 defaults), mask token 248070, rope
 theta 1e7 (the target's), two-model length head (bottleneck 256). Optimisers, α, τ, T, the
 stage-2 schedule and the training layout (512 anchors per sequence, K = 16, seq 2048, sparse
 drafter attention, loss chunks of 32) are the 8B recipe's: this file is

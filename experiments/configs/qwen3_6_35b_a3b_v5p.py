@@ -8,7 +8,7 @@ F 512, V 248320, rope theta 1e7. Drafter: z-lab/Qwen3.6-35B-A3B-DFlash's shape (
 config.json at revision 42d3b34, as quoted by third-party parsers and docs of that checkpoint;
 the file itself was not read here): 8 Qwen3 layers, hidden 2048, MLP 6144, 32 q / 4 kv heads
 of 128 (`draft.heads`: the target has 16 / 2 of 256), block 16, features from target layers
-[1, 10, 19, 28, 37] (the §2 defaults for 40 layers), mask token 248070. That is also the
+[1, 10, 19, 28, 37] (docs/design.md §2 defaults), mask token 248070. That is also the
 reference's Coder-30B drafter shape (`qwen3_coder_30b_a3b_v5p.py`). The AdaFlash reference
 ships no recipe for this target: the two-model length head (bottleneck 256), optimisers, α,
 τ, T, the stage-2 schedule and the training layout (512 anchors per sequence, K = 16, seq
