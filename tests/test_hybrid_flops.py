@@ -112,29 +112,29 @@ def test_planner_counts_recurrent_state_not_kv_on_deltanet_layers():
 def test_triangular_solve_seconds_are_added_back():
     """XLA's TPU cost model counts the custom call `triangular_solve` lowers to
     (InvertDiagBlocksLowerTriangular) as -1 s, as it does ConcatBitcast: the report adds it
-    back, so a chunked delta rule gets a small positive estimate."""
+    back. (Whether a compile keeps the custom call varies: BENCHMARKS.md §10. Either way the
+    estimate is positive and is the raw figure plus one second per call.)"""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     from adaflash_jax.aot.program import Program
     from adaflash_jax.aot.report import compile_program
     from adaflash_jax.aot.topology import parse_slice, slice_devices
-    from adaflash_jax.model.delta_rule import chunked_form
 
     s = parse_slice("v5p-8")
     one = SingleDeviceSharding(slice_devices(s)[0])
-    b, t, j, d = 1, 128, 2, 16
     arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=one)  # noqa: E731
-    args = (arg(b, t, j, d), arg(b, t, j, d), arg(b, t, j, d), arg(b, t, j), arg(b, t, j))
+    solve = lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True)  # noqa: E731
     p = Program(
-        name="chunked rule",
+        name="chunk systems",
         kind="decode",
-        fn=jax.jit(lambda *a: chunked_form(*a, chunk=64)),
-        args=(*args, arg(b, j, d, d)),
+        fn=jax.jit(solve),
+        args=(arg(64, 32, 16, 16), arg(64, 32, 16, 256)),
     )
     f = compile_program(p, s.chip, 1)
     assert f.compiled, f.error
-    assert f.xla_optimal_seconds < -0.9 and f.triangular_inversions == 1
+    assert f.triangular_inversions == (1 if f.xla_optimal_seconds < 0 else 0)
+    assert f.optimal_seconds == pytest.approx(f.xla_optimal_seconds + f.triangular_inversions)
     assert 0 < f.optimal_seconds < 0.01
 
 
