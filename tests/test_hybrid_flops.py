@@ -112,8 +112,7 @@ def test_planner_counts_recurrent_state_not_kv_on_deltanet_layers():
 def test_triangular_solve_seconds_are_added_back():
     """XLA's TPU cost model counts the custom call `triangular_solve` lowers to
     (InvertDiagBlocksLowerTriangular) as -1 s, as it does ConcatBitcast: the report adds it
-    back. (Whether a compile keeps the custom call varies: BENCHMARKS.md §10. Either way the
-    estimate is positive and is the raw figure plus one second per call.)"""
+    back (the chunked delta rule used it before main's 1e91e28: BENCHMARKS.md §10)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
