@@ -3,11 +3,13 @@ compiler's estimates (FLOPs, step time, MFU, decode step against the weight-read
 
   python -m experiments.tpu_compile --config experiments/configs/qwen3_8b_v5p.py --topology v5p-64
   python -m experiments.tpu_compile --config C --topology v5e-8 --serve --cost-table T.json
+  python -m experiments.tpu_compile --config C --topology v5p-8 --serve --dense-twin  # hybrid C
 
 Needs libtpu: `pip install "jax[tpu]==<jax version>"` (the test extras install it). --serve
 compiles decoding with tensor-parallel weights over the whole slice instead of the run's
-programs. Exit 0: everything fits; 1: a program does not fit (or the compiler refused it);
-2: bad input.
+programs; --dense-twin replaces a hybrid target by its twin with every layer full attention
+(what the recurrent state's rollback is measured against). Exit 0: everything fits; 1: a
+program does not fit (or the compiler refused it); 2: bad input.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ def main(argv=None) -> int:
     p.add_argument("--topology", required=True, help="v5p-64 | v5e-256 | v6e-64 | v5p:2x2x1 ...")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument(
-        "--only", type=lambda s: tuple(s.split(",")), help="train,generate,prefill,engine,draft"
+        "--only",
+        type=lambda s: tuple(s.split(",")),
+        help="train,generate,prefill,engine,draft (the default), and on request target "
+        "(the target's training forward alone), plain (the engine's plain step)",
     )
     p.add_argument("--serve", action="store_true", help="tensor-parallel decoding table")
     p.add_argument("--rows", type=_ints, default=(1, 8, 32, 64, 128), help="--serve row counts")
@@ -37,6 +42,11 @@ def main(argv=None) -> int:
         "--widths", type=_ints, help="verify widths of the engine steps (default: all buckets)"
     )
     p.add_argument("--capacity", type=int, default=1024, help="--serve cache capacity")
+    p.add_argument(
+        "--dense-twin",
+        action="store_true",
+        help="a hybrid target's dense twin: every layer full attention (rollback's baseline)",
+    )
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--cost-table", help="--serve: write the verify-cost table (goodput format)")
     args = p.parse_args(argv)
@@ -49,23 +59,27 @@ def main(argv=None) -> int:
     try:
         if bad := [kv for kv in args.set if "=" not in kv]:
             raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
-        if bad := sorted(set(args.only or ()) - set(programs.GROUPS)):
-            raise ConfigError(f"--only takes {programs.GROUPS}, got {bad}")
+        known = programs.GROUPS + programs.EXTRA_GROUPS
+        if bad := sorted(set(args.only or ()) - set(known)):
+            raise ConfigError(f"--only takes {known}, got {bad}")
         sets = dict(kv.split("=", 1) for kv in args.set)
         cfg = override(load_config(args.config), sets)
         sl = parse_slice(args.topology)
         if args.serve:
             figs, data = session.compile_serve(
-                cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths, overrides=sets
-            )
+                cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
+                overrides=sets, twin=args.dense_twin,
+            )  # fmt: skip
         else:
             figs, data = session.compile_run(
-                cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths, overrides=sets
-            )
+                cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths,
+                overrides=sets, twin=args.dense_twin,
+            )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(report.header(f"{cfg.name} on {sl.name}", sl.chip, data["mesh"])))
+    name = cfg.name + (" (dense twin)" if args.dense_twin else "")
+    print("\n".join(report.header(f"{name} on {sl.name}", sl.chip, data["mesh"])))
     print(report.table(figs, sl.chip))
     if args.json:
         report.write_json(args.json, data)

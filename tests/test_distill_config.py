@@ -14,7 +14,17 @@ from adaflash_jax.model.presets import target_preset
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "qwen3_8b_v5p", "qwen3_coder_30b_a3b_v5p"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny",
+        "small",
+        "qwen3_8b_v5p",
+        "qwen3_coder_30b_a3b_v5p",
+        "qwen3_5_9b_v5p",
+        "qwen3_6_35b_a3b_v5p",
+    ],
+)
 def test_shipped_configs_load(name):
     cfg = load_config(os.path.join(CONFIGS, f"{name}.py"))
     assert isinstance(cfg, RunConfig) and cfg.name == name
@@ -87,6 +97,70 @@ def test_coder_recipe_is_the_8b_recipe_with_its_target_and_drafter():
     same = dict(layers=base.draft.layers, target_layer_ids=base.draft.target_layer_ids)
     assert dataclasses.replace(coder.draft, **same) == base.draft
     assert (coder.num_anchors, coder.loss_chunk) == (512, 32)
+
+
+# ZinYY/AdaFlash configs/qwen3.5-9b-dflash-thresh-head.json: the drafter's shape keys
+REFERENCE_QWEN35_9B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 10_000_000,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "num_target_layers": 32,
+    "block_size": 16,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+REFERENCE_QWEN35_9B_DFLASH = {
+    "mask_token_id": 248070,
+    "target_layer_ids": [1, 8, 15, 22, 29],
+    "thresh_head_bottleneck_dim": 256,
+    "use_thresh_head_two_model": True,
+    "thresh_head_direct_len": True,
+}
+
+
+def test_qwen3_5_9b_recipe_has_the_references_drafter():
+    """The 9B hybrid recipe's drafter, as exported, has the reference config's shape, and the
+    recipe trains as the 8B one at the reference's scale (512 anchors, K = 16, seq 2048)."""
+    from adaflash_jax.aot.abstract import run_drafter, run_target
+    from adaflash_jax.drafter.checkpoint import config_to_hf
+
+    base = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_5_9b_v5p.py"))
+    target = run_target(cfg)
+    assert target.is_hybrid and target.num_hidden_layers == 32
+    hf = config_to_hf(run_drafter(cfg, target))
+    assert {k: hf[k] for k in REFERENCE_QWEN35_9B} == REFERENCE_QWEN35_9B
+    dflash = hf["dflash_config"]
+    assert {k: dflash[k] for k in REFERENCE_QWEN35_9B_DFLASH} == REFERENCE_QWEN35_9B_DFLASH
+    assert (cfg.num_anchors, cfg.draft.block_size, cfg.seq_len) == (512, 16, 2048)
+    differ = {
+        f.name
+        for f in dataclasses.fields(RunConfig)
+        if getattr(base, f.name) != getattr(cfg, f.name)
+    }
+    assert differ == {"name", "target_path", "target_shape", "draft"}
+
+
+def test_qwen3_6_35b_a3b_recipe():
+    """The hybrid MoE recipe: the 8B recipe with its target and z-lab's drafter shape for it
+    (8 layers, MLP 6144, 32 q / 4 kv heads of 128, layers [1, 10, 19, 28, 37], mask 248070)."""
+    from adaflash_jax.aot.abstract import run_drafter, run_target
+
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_6_35b_a3b_v5p.py"))
+    target = run_target(cfg)
+    assert target.model_type == "qwen3_5_moe_text"
+    d = run_drafter(cfg, target)
+    shape = (d.num_hidden_layers, d.intermediate_size, d.num_attention_heads)
+    assert shape + (d.num_key_value_heads, d.head_dim) == (8, 6144, 32, 4, 128)
+    assert d.target_layer_ids == (1, 10, 19, 28, 37) == target.default_feature_layers(5)
+    assert d.mask_token_id == 248070 and d.block_size == 16
+    assert (cfg.num_anchors, cfg.loss_chunk) == (512, 32)
 
 
 def test_qwen3_8b_recipe_builds_abstractly():

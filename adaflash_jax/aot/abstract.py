@@ -8,6 +8,8 @@ the drafter is the run's fresh drafter (`distill.context.run_drafter_config`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,7 +19,7 @@ from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.distill.context import run_drafter_config
 from adaflash_jax.distill.state import abstract_drafter, tree_shardings
 from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.plan.inputs import target_from
 from adaflash_jax.sharding.rules import Rules
@@ -29,6 +31,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def run_target(cfg: RunConfig) -> TargetConfig:
     """The target architecture a run config names (no weights read)."""
     return target_from(cfg)
+
+
+def dense_twin(target: TargetConfig) -> TargetConfig:
+    """A hybrid target with every layer gated full attention: the same D, L, heads, MLP and
+    norms, K/V caches where the hybrid has recurrent states (what rollback costs against)."""
+    if not target.is_hybrid:
+        raise ConfigError(f"a dense twin needs a hybrid target, not {target.model_type!r}")
+    return dataclasses.replace(target, layer_types=("full_attention",) * target.num_hidden_layers)
 
 
 def run_drafter(cfg: RunConfig, target: TargetConfig) -> DrafterConfig:

@@ -6,10 +6,17 @@ Dh head dim, V vocab, L target layers, Ld drafter layers, nD concatenated featur
 
 What counts as useful (a multiply-add is 2 FLOPs):
 - target forward over all B·S tokens: every layer's matmuls (2 · layer matmul weights per
-  token; a mixture-of-experts layer counts its ACTIVE weights: the router's D·E and the k
-  routed experts' 3·D·F each, never the other E − k experts) and causal attention (QKᵀ
-  and PV over the S·(S+1)/2 visible pairs: 4·H·Dh per pair); no LM head over the sequence
-  (the step never computes those logits);
+  token; a mixture-of-experts layer counts its ACTIVE weights: the router's D·E, the k
+  routed experts' 3·D·F each and, on Qwen3.5-MoE, the shared expert's 3·D·Fs and its D·1
+  gate, never the other E − k experts) and causal attention (QKᵀ and PV over the
+  S·(S+1)/2 visible pairs: 4·H·Dh per pair) on the full-attention layers; no LM head over
+  the sequence (the step never computes those logits);
+- hybrid targets (docs/design.md §2.1): a gated attention layer's q_proj is 2·H·Dh wide (the
+  output gate); a Gated DeltaNet layer has no attention pairs and multiplies in_proj_qkv
+  (D·X, X = 2·Jk·Dk + J·Dv), in_proj_z (D·J·Dv), in_proj_b and in_proj_a (D·J each) and
+  out_proj (J·Dv·D), plus its depthwise conv (2·A·X per token) and the chunked delta rule
+  (`delta_rule_token`: per token and value head 6·Dk·Dv of state reads and writes and
+  (Tc + 1)/2 · (6·Dk + 4·Dv) inside its chunk of Tc);
 - teacher logits (stage 2): 2·D·V at each of the B·N·P label positions;
 - drafter forward: the feature projection (2·nD·D per context token), every layer's context
   keys/values (2·D·2·Kv·Dh per context token), its matmuls over the B·N·K block tokens, and
@@ -28,6 +35,7 @@ from __future__ import annotations
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.train_attention import flops_left_out
 from adaflash_jax.model.config import TargetConfig
+from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
 
 
 def _layer_matmul(d: int, f: int, h: int, kv: int, dh: int) -> int:
@@ -35,19 +43,54 @@ def _layer_matmul(d: int, f: int, h: int, kv: int, dh: int) -> int:
     return 2 * d * h * dh + 2 * d * kv * dh + 3 * d * f
 
 
+def _mixer_active(t: TargetConfig, layer: int) -> int:
+    """Matmul weights of layer `layer`'s token mixer: attention (q_proj twice as wide when it
+    carries the hybrids' output gate) or a Gated DeltaNet's projections."""
+    d = t.hidden_size
+    if t.is_linear_layer(layer):
+        j, dv = t.linear_num_value_heads, t.linear_value_head_dim
+        x = 2 * t.linear_num_key_heads * t.linear_key_head_dim + j * dv
+        return d * x + d * j * dv + 2 * d * j + j * dv * d
+    h, kv, dh = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    gate = d * h * dh if t.is_hybrid else 0
+    return _layer_matmul(d, 0, h, kv, dh) + gate
+
+
 def target_layer_active(t: TargetConfig, layer: int) -> int:
     """Matmul weights one token multiplies in target layer `layer` (active parameters)."""
-    d, h, kv, dh = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    d = t.hidden_size
     if not t.is_moe_layer(layer):
-        return _layer_matmul(d, t.intermediate_size, h, kv, dh)
+        return _mixer_active(t, layer) + 3 * d * t.intermediate_size
     routed = t.num_experts_per_tok * 3 * d * t.moe_intermediate_size
-    return _layer_matmul(d, 0, h, kv, dh) + d * t.num_experts + routed
+    shared = (
+        3 * d * t.shared_expert_intermediate_size + d if t.shared_expert_intermediate_size else 0
+    )
+    return _mixer_active(t, layer) + d * t.num_experts + routed + shared
 
 
-def target_forward(t: TargetConfig, b: int, s: int) -> float:
-    active = sum(target_layer_active(t, i) for i in range(t.num_hidden_layers))
+def delta_rule_token(dk: int, dv: int, tokens: int, chunk: int = DEFAULT_CHUNK) -> float:
+    """FLOPs of the chunked gated delta rule per token and value head over `tokens` tokens
+    (`model/delta_rule.chunked_form`, Tc = min(chunk, tokens)): the state reads by w and q
+    and the state write (3 × 2·Dk·Dv), and per causal in-chunk pair (Tc + 1)/2 on average
+    the k·k and q·k products (2·Dk each), the triangular solve over Dk + Dv right-hand
+    columns (2·(Dk + Dv)) and the q·k-weighted values (2·Dv)."""
+    tc = min(chunk, tokens)
+    return 6.0 * dk * dv + (tc + 1) / 2 * (6 * dk + 4 * dv)
+
+
+def target_forward(t: TargetConfig, b: int, s: int, chunk: int = DEFAULT_CHUNK) -> float:
+    """The target's forward over B sequences of S tokens (DeltaNet chunks of `chunk`)."""
+    layers = range(t.num_hidden_layers)
+    active = sum(target_layer_active(t, i) for i in layers)
+    linear = sum(t.is_linear_layer(i) for i in layers)
     attention = 4.0 * t.num_attention_heads * t.head_dim * b * s * (s + 1) / 2
-    return 2.0 * active * b * s + t.num_hidden_layers * attention
+    out = 2.0 * active * b * s + (t.num_hidden_layers - linear) * attention
+    if linear:
+        j, dk, dv = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
+        x = 2 * t.linear_num_key_heads * dk + j * dv
+        per_token = j * delta_rule_token(dk, dv, s, chunk) + 2.0 * t.linear_conv_kernel_dim * x
+        out += linear * per_token * b * s
+    return out
 
 
 def drafter_forward(dc: DrafterConfig, b: int, s: int, n: int) -> float:

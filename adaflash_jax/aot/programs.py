@@ -23,7 +23,7 @@ from adaflash_jax.aot import decode_programs as dp
 from adaflash_jax.aot.abstract import DTYPES, run_drafter, run_target
 from adaflash_jax.aot.program import Program
 from adaflash_jax.aot.report import LABEL, Figures
-from adaflash_jax.aot.train_programs import train_programs
+from adaflash_jax.aot.train_programs import target_forward_program, train_programs
 from adaflash_jax.bench.step_cost import table_from_steps
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS
 from adaflash_jax.decode.state import bucket_set
@@ -33,15 +33,21 @@ from adaflash_jax.plan.inputs import engine_capacity
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
 
 GROUPS = ("train", "generate", "prefill", "engine", "draft")
+# on request only (`--only`): the target's training forward alone, the engine's plain step
+EXTRA_GROUPS = ("target", "plain")
 
 
-def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None) -> list[Program]:
+def run_programs(
+    cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None, target=None
+) -> list[Program]:
     """The programs a run executes (`groups`); the engine step at `widths` (default: all
-    buckets)."""
+    buckets); `target` replaces the run's target shape (e.g. `abstract.dense_twin`)."""
     out = []
+    target = target or run_target(cfg)
     if "train" in groups:
-        out += train_programs(cfg, mesh)
-    target = run_target(cfg)
+        out += train_programs(cfg, mesh, target=target)
+    if "target" in groups:
+        out.append(target_forward_program(cfg, mesh, target=target))
     dtype = DTYPES[cfg.compute_dtype]
     # the run's decoders read the training state: fp32 drafter masters, target under TRAIN_RULES
     m = dp.models(
@@ -65,6 +71,8 @@ def run_programs(cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None) -> list
         if "prefill" in groups:
             p = dp.prefill_program(m, slots=n, capacity=cap, prompt_len=d.max_prompt_len)
             out.append(_noted(p, note))
+        if "plain" in groups:
+            out.append(_noted(dp.plain_program(m, slots=n, capacity=cap), note))
         if "engine" in groups:
             for p in dp.engine_programs(
                 m, slots=n, capacity=cap, temperature=temperature, widths=widths
@@ -80,10 +88,10 @@ def _noted(p: Program, note: str) -> Program:
 
 
 def serve_programs(
-    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None
+    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None, target=None
 ) -> list[Program]:
     """Per row count: the plain step, the drafter forward, the drafted step per width > 1."""
-    target = run_target(cfg)
+    target = target or run_target(cfg)
     m = dp.models(
         target, run_drafter(cfg, target), mesh, DECODE_RULES, dtype=jnp.bfloat16,
         drafter_param_dtype=jnp.bfloat16,

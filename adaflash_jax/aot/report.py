@@ -10,8 +10,13 @@ bytes and XLA's estimated step time. Every figure is a COMPILER ESTIMATE, not a 
   On v5e and v6e (libtpu 0.0.42) XLA inserts `ConcatBitcast` custom calls (weights it
   prefetches into on-chip memory in slices, then joins) and its estimate counts each as −1 s
   (measured: an 8B program with 13, 30, 31 or 218 of them came out at −13, −30, −31 and −218
-  s plus a few ms). Where the raw figure is negative, those seconds are added back, and
-  both figures are kept.
+  s plus a few ms). TPU lowers `triangular_solve` (which the chunked delta rule of a hybrid
+  target used until it moved to matmuls only) through an `InvertDiagBlocksLowerTriangular`
+  custom call, which the estimate also counts as −1 s (measured on one v5p chip: the solve
+  alone −0.9991 s, the whole chunked rule −0.9975 s; the same shapes as a matmul +0.29 ms).
+  Where the raw figure is negative, those seconds are added back, and both figures are kept.
+  The custom calls' own work is not in XLA's FLOPs or time (small: an in-place inversion of
+  the Tc × Tc diagonal blocks).
 - XLA's cost analysis counts a loop's body once. A train step's chunked loss and sparse
   attention loops repeat real work: their other iterations' FLOPs (`flops.
   loop_flops_left_out`) are added to the FLOPs, and their time at the chip's bf16 peak to
@@ -53,9 +58,10 @@ class Figures:
     generated_code_bytes: int = 0
     flops: float = 0.0  # per chip
     bytes_accessed: float = 0.0  # per chip
-    optimal_seconds: float = 0.0  # XLA's + ConcatBitcast seconds + left-out loop FLOPs at peak
+    optimal_seconds: float = 0.0  # XLA's + −1 s custom calls + left-out loop FLOPs at peak
     xla_optimal_seconds: float = 0.0  # as cost_analysis() reported it
     concat_bitcasts: int = 0  # ConcatBitcast custom calls in the compiled program
+    triangular_inversions: int = 0  # InvertDiagBlocksLowerTriangular custom calls (ditto)
     loop_flops: float = 0.0  # per chip: loop iterations the cost analysis left out (added)
     useful_flops: float = 0.0  # per chip (train)
     tokens: int = 0  # per step, whole slice (train)
@@ -141,8 +147,10 @@ def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
     if isinstance(cost, list):  # older jax: one dict per device program
         cost = cost[0] if cost else {}
     raw = float(cost.get("optimal_seconds", 0.0))
-    concats = compiled.as_text().count('custom_call_target="ConcatBitcast"') if raw < 0 else 0
-    est = raw + concats + base["loop_flops"] / chip.bf16_peak
+    text = compiled.as_text() if raw < 0 else ""
+    concats = text.count('custom_call_target="ConcatBitcast"')
+    inversions = text.count('custom_call_target="InvertDiagBlocksLowerTriangular"')
+    est = raw + concats + inversions + base["loop_flops"] / chip.bf16_peak
     return Figures(
         compiled=True,
         compile_s=seconds,
@@ -153,9 +161,10 @@ def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
         generated_code_bytes=int(mem.generated_code_size_in_bytes),
         flops=float(cost.get("flops", 0.0)) + base["loop_flops"],
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        optimal_seconds=est if raw + concats >= 0 else float("nan"),
+        optimal_seconds=est if raw + concats + inversions >= 0 else float("nan"),
         xla_optimal_seconds=raw,
         concat_bitcasts=concats,
+        triangular_inversions=inversions,
         **base,
     )
 
@@ -188,12 +197,14 @@ def table(figs: list[Figures], chip: Chip) -> str:
             f"{_gib(f.alias_bytes)} | {_gib(f.temp_bytes)} | {_gib(f.generated_code_bytes)} | "
             f"{_gib(f.total_bytes)} | {verdict} | {f.flops / 1e12:.3g} | "
             f"{f.bytes_accessed / 1e9:.3g} | {1e3 * f.optimal_seconds:.3g}"
-            f"{'*' if f.concat_bitcasts else ''}{'+' if f.loop_flops else ''} | {ratio} | {tps} |"
+            f"{'*' if f.concat_bitcasts + f.triangular_inversions else ''}"
+            f"{'+' if f.loop_flops else ''} | {ratio} | {tps} |"
         )
-    if any(f.concat_bitcasts for f in figs):
+    if any(f.concat_bitcasts + f.triangular_inversions for f in figs):
         rows.append(
-            "\n* XLA's estimate counted each ConcatBitcast custom call of the program as -1 s; "
-            "those seconds are added back (report.py)"
+            "\n* XLA's estimate counted each ConcatBitcast and InvertDiagBlocksLowerTriangular "
+            "(triangular_solve) custom call of the program as -1 s; those seconds are added back "
+            "(report.py)"
         )
     if any(f.loop_flops for f in figs):
         rows.append(

@@ -14,7 +14,7 @@ import jax
 
 from adaflash_jax.aot import programs as P
 from adaflash_jax.aot import report as R
-from adaflash_jax.aot.abstract import run_drafter, run_target
+from adaflash_jax.aot.abstract import dense_twin, run_drafter, run_target
 from adaflash_jax.aot.topology import Slice, slice_devices
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.model.config import ConfigError
@@ -51,31 +51,42 @@ def _meta(cfg: RunConfig, sl: Slice, mesh_shape, mode: str, overrides: dict) -> 
     )
 
 
-def compile_run(
-    cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=None
-):
+def _target(cfg: RunConfig, twin: bool):
     target = run_target(cfg)
+    return dense_twin(target) if twin else target
+
+
+def compile_run(
+    cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=None,
+    twin: bool = False,
+):  # fmt: skip
+    """`twin`: the target's dense twin (`abstract.dense_twin`) instead of the hybrid."""
+    target = _target(cfg, twin)
     dcfg = run_drafter(cfg, target)
     shape = cfg.check_runtime(num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id)
-    progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths)
+    progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths, target=target)
     figs = _compile_all(progs, sl, log)
-    return figs, R.to_json(figs, **_meta(cfg, sl, shape, "run", overrides or {}))
+    meta = _meta(cfg, sl, shape, "run", overrides or {})
+    meta.update(dense_twin=twin)
+    return figs, R.to_json(figs, **meta)
 
 
 def compile_serve(
     cfg: RunConfig, sl: Slice, *, rows, capacity: int, widths=None, overrides=None,
-    log=None,
+    log=None, twin: bool = False,
 ):  # fmt: skip
     """Decoding with the weights split over all chips (mesh (1, 1, chips), DECODE_RULES:
     a dimension the tensor axis does not divide stays whole), bf16 target and drafter."""
-    target = run_target(cfg)
+    target = _target(cfg, twin)
     if capacity > target.max_position_embeddings:
         raise ConfigError(
             f"capacity {capacity} exceeds max_position_embeddings {target.max_position_embeddings}"
         )
     shape = (1, 1, sl.chips)
-    progs = P.serve_programs(cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths)
+    progs = P.serve_programs(
+        cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths, target=target
+    )
     figs = _compile_all(progs, sl, log)
     meta = _meta(cfg, sl, shape, "serve", overrides or {})
-    meta.update(capacity=capacity, rules="DECODE_RULES", dtype="bfloat16")
+    meta.update(capacity=capacity, rules="DECODE_RULES", dtype="bfloat16", dense_twin=twin)
     return figs, R.to_json(figs, **meta)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from adaflash_jax.aot import flops
@@ -72,9 +73,10 @@ def stages_of(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(k for k in steps.KINDS if runs[k])
 
 
-def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None) -> list[Program]:
-    """One Program per step kind (default: every kind the run executes)."""
-    target = run_target(cfg)
+def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None, target=None) -> list[Program]:
+    """One Program per step kind (default: every kind the run executes); `target` replaces
+    the run's target shape (e.g. a dense twin)."""
+    target = target or run_target(cfg)
     dcfg = run_drafter(cfg, target)
     dtype = DTYPES[cfg.compute_dtype]
     t_graph, t_params = abstract_target(target, dtype, mesh, TRAIN_RULES)
@@ -124,3 +126,34 @@ def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None) -> list[Program]:
             )
         )
     return out
+
+
+def target_forward_program(cfg: RunConfig, mesh: Mesh, target=None) -> Program:
+    """The frozen target's forward inside a train step, alone: the batch's B × S tokens with
+    the drafter's feature layers and no logits, weights and rows laid out as the step has
+    them (TRAIN_RULES, `StepSpec.rows`)."""
+    target = target or run_target(cfg)
+    dcfg = run_drafter(cfg, target)
+    dtype = DTYPES[cfg.compute_dtype]
+    t_graph, t_params = abstract_target(target, dtype, mesh, TRAIN_RULES)
+    b, s = cfg.batch_size, cfg.seq_len
+    tokens = struct((b, s), jnp.int32, steps.batch_shardings(mesh, TRAIN_RULES, b)["tokens"])
+    spec = step_spec(cfg, dcfg, "stage2", mesh=mesh)
+
+    @jax.jit
+    def forward(frozen, tokens_BxS):
+        target_lm = nnx.merge(t_graph, frozen)
+        out = target_lm(
+            tokens_BxS, feature_layers=spec.feature_layers, compute_logits=False, rows=spec.rows
+        )
+        return out.features_BxTxnD, out.hidden_BxTxD
+
+    return Program(
+        name="target forward",
+        kind="train",
+        fn=forward,
+        args=(t_params, tokens),
+        useful_flops=flops.target_forward(target, b, s),
+        tokens=b * s,
+        notes=(f"batch {b} x seq {s}, features of layers {list(spec.feature_layers)}",),
+    )

@@ -28,14 +28,19 @@ Formulas, per device (`estimate` computes exactly these):
                               times Ld (or, with remat, Ld*B*Q*D*a + one layer)
                               + B*S*2D*a (fused context) + B*Q*D*a (block embeddings)
               drafter attn    naive: Ld (remat: 1) * B*H_t*Q*(S+Q)*(4 + a) + mask B*Q*(S+Q)
-  collect     target KV cache L*2*R*C*Kv_t*Dh*a
+  collect     target KV cache La*2*R*C*Kv_t*Dh*a               (La attention layers: all L
+                                                                 but a hybrid's Gated DeltaNets)
+              recurrent state Ll*R*(J*Dk*Dv + (A-1)*X)*4        (Ll DeltaNet layers, fp32,
+                                                                 docs/design.md §2.1)
               drafter cache   Ld*2*R*C*Kv_t*Dh*a                (context K/V of every layer)
               gathered        as in train, and the LM head
               step temps      max(prefill, verify), where
                               prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
                                         + R*H_t*P*C*(4 + a)   (dense)
-                                        + fresh caches (L + Ld)*2*R*C*Kv_t*Dh*a
+                                        + fresh caches (La + Ld)*2*R*C*Kv_t*Dh*a + fresh states
                               verify  = 2*R*K*V_t*4 + R*H_t*K*C*(4 + a)
+                                        + Ll*R*K*(X + J*(Dk + Dv + 2))*4   (the recurrence's
+                                          inputs per token, docs/design.md §5.2)
 peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
 """
 
@@ -86,6 +91,20 @@ class MemoryPlan:
 def _split(n: int, t: int) -> int:
     """A dimension split over the tensor axis when it divides (the rule tables' behaviour)."""
     return n // t if n % t == 0 else n
+
+
+def _conv_channels(t) -> int:
+    """X: a Gated DeltaNet's conv channels (q, k and v before the conv)."""
+    return 2 * t.linear_num_key_heads * t.linear_key_head_dim + (
+        t.linear_num_value_heads * t.linear_value_head_dim
+    )
+
+
+def recurrent_state_bytes(t) -> int:
+    """One row's decode state in one Gated DeltaNet layer: the delta rule's [J, Dk, Dv] and the
+    conv history [A − 1, X], both float32 (`model/recurrent_state.RecurrentState`)."""
+    j, dk, dv = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
+    return 4 * (j * dk * dv + (t.linear_conv_kernel_dim - 1) * _conv_channels(t))
 
 
 def estimate(inp: PlanInputs) -> MemoryPlan:
@@ -146,15 +165,21 @@ def estimate(inp: PlanInputs) -> MemoryPlan:
 
     # ---- on-policy collection -------------------------------------------------------------
     r, c, p = inp.slots // inp.collect_shards, inp.capacity, inp.prompt_len
-    add("collect", "target KV cache", tgt.num_hidden_layers * 2 * r * c * kv_t * dh * a)
+    linear = sum(tgt.is_linear_layer(i) for i in range(tgt.num_hidden_layers))
+    attends = tgt.num_hidden_layers - linear
+    state = linear * r * recurrent_state_bytes(tgt)
+    add("collect", "target KV cache", attends * 2 * r * c * kv_t * dh * a)
+    if linear:
+        add("collect", "target recurrent state (fp32)", state)
     add("collect", "drafter context K/V cache", dr.num_layers * 2 * r * c * dkv_t * dr.head_dim * a)
     # the prefill writes R fresh caches (target + drafter context) before scattering them in
-    fresh = (
-        (tgt.num_hidden_layers * kv_t * dh + dr.num_layers * dkv_t * dr.head_dim) * 2 * r * c * a
-    )
+    fresh = (attends * kv_t * dh + dr.num_layers * dkv_t * dr.head_dim) * 2 * r * c * a + state
     prefill = r * p * a * (per_tok + n_feat * d) + r * h_t * p * c * (4 + a)
     prefill += fresh
     verify = 2 * r * k * v_t * 4 + r * h_t * k * c * (4 + a)
+    if linear:
+        j, dk, dv = tgt.linear_num_value_heads, tgt.linear_key_head_dim, tgt.linear_value_head_dim
+        verify += linear * r * k * (_conv_channels(tgt) + j * (dk + dv + 2)) * 4
     add("collect", "target layers gathered over fsdp (2)", gathered)
     add("collect", "LM head gathered over fsdp", head)
     add("collect", "prefill/verify temporaries", max(prefill, verify))

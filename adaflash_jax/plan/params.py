@@ -126,10 +126,11 @@ def target_params(cfg: TargetConfig) -> list[ParamSpec]:
 
 
 def target_layer_params(cfg: TargetConfig) -> list[ParamSpec]:
-    """One decoder layer (a mixture-of-experts one if the target has any): what an FSDP
-    forward gathers at a time."""
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    return _target_layer(cfg, moe[0] if moe else 0, "")
+    """The largest decoder layer (a mixture-of-experts one if the target has any; on a hybrid
+    the larger of a Gated DeltaNet and a gated attention layer): what an FSDP forward
+    gathers at a time."""
+    layers = [_target_layer(cfg, i, "") for i in range(cfg.num_hidden_layers)]
+    return max(layers, key=lambda p: sum(s.size for s in p))
 
 
 def _target_layer(cfg: TargetConfig, layer: int, prefix: str) -> list[ParamSpec]:
