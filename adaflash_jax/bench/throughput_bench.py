@@ -46,6 +46,7 @@ from adaflash_jax.decode.slots import (
     NO_ACCEPT_OUTPUT,
     SpeculativeEngine,
     has_accept_output,
+    token_bucket_set,
 )
 from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.io.cost_table import VerifyCostTable
@@ -60,6 +61,7 @@ DEFAULT_METHODS = (
     "adaflash:goodput",
 )
 POLICIES = ("fixed", "adaflash", "goodput")
+ENGINE_OPTIONS = ("verify",)  # method options for the engine, not the policy
 DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"  # trace encoding: one base-36 digit per step
 
 
@@ -94,7 +96,8 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3'."""
+    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3',
+    'adaflash:adaflash:verify=packed' (`ENGINE_OPTIONS` go to the engine)."""
     parts = text.strip().split(":")
     if parts == ["plain"]:
         return Method()
@@ -261,6 +264,7 @@ class ThroughputBench:
             else:
                 widths = bucket_set(self.settings.buckets, drafter.config.block_size)
                 rows = tuple(sorted(set(self.settings.concurrencies)))
+                fills = token_bucket_set(1, widths) if self.packs(name) else ()
                 t0 = time.perf_counter()
                 self.cost_tables[name] = measure(
                     self.target,
@@ -270,6 +274,7 @@ class ThroughputBench:
                     buckets=widths,
                     temperature=self.settings.temperature,
                     rounds=self.settings.repeats + 1,
+                    fills=fills,
                 )
                 self.log(
                     f"measured the step costs of {name!r}: rows {rows} x widths {widths} "
@@ -289,7 +294,17 @@ class ThroughputBench:
             kw["threshold"] = self.settings.adaflash_threshold
         if m.policy == "goodput":
             kw["estimator"] = self.settings.goodput_estimator
-        return {**kw, **dict(m.options)}
+        return {**kw, **{k: v for k, v in m.options if k not in ENGINE_OPTIONS}}
+
+    def engine_options(self, m: Method) -> dict:
+        return {k: v for k, v in m.options if k in ENGINE_OPTIONS}
+
+    def packs(self, name: str) -> bool:
+        """Some method of drafter `name` verifies packed (its table needs the packed form)."""
+        return any(
+            self.engine_options(m).get("verify") == "packed" for m in self.methods
+            if m.drafter == name
+        )  # fmt: skip
 
     def engine(self, m: Method, concurrency: int) -> SpeculativeEngine:
         key = (m, concurrency)
@@ -306,6 +321,7 @@ class ThroughputBench:
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,
+                **self.engine_options(m),
             )
         return self._engines[key]
 
@@ -375,6 +391,9 @@ class ThroughputBench:
             cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
             compiles_in_timed_pass=compiles,
             probes=run["probes"],
+            # Σ w_b over the verify steps, and the tokens the target ran for them
+            verified_tokens=run.get("verified_tokens", 0),
+            computed_tokens=run.get("computed_tokens", 0),
             output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
         )
         if m.drafter is None:
@@ -500,6 +519,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
             cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
             draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
             probes=sum(r["probes"] for r in rs),
+            verified_tokens=sum(r["verified_tokens"] for r in rs),
+            computed_tokens=sum(r["computed_tokens"] for r in rs),
             compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
             occupancy_exact=all(r["occupancy_exact"] for r in rs),
             matches_plain=all(r["matches_plain"] for r in rs),
