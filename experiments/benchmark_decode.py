@@ -33,6 +33,7 @@ from flax import nnx
 
 from adaflash_jax.cli import one_line_errors
 from adaflash_jax.decode.generate import generate_jit, prepare_batch
+from adaflash_jax.distill.shapes import slot_capacity
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -175,7 +176,7 @@ def slots_mode(args) -> None:
     else:
         drafter = untrained_drafter(target.config, dtype)
     k = drafter.config.block_size
-    capacity = 16 * -(-(args.prompt_len + args.new_tokens + k) // 16)
+    capacity = slot_capacity(args.prompt_len, args.new_tokens, k)
     rows = []
     for slots in _ints(args.slots):
         n = args.requests or 2 * slots

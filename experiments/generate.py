@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
 from adaflash_jax.decode.policy import PolicyError
 from adaflash_jax.decode.slots import EngineError
+from adaflash_jax.distill.shapes import slot_capacity
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.tokenizer import Tokenizer, TokenizerError
@@ -121,10 +121,10 @@ def speculative(args, model, prompts, eos):
     except ConfigError as e:
         raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
     k = args.block_size or drafter.config.block_size
-    need = max(len(p) for p in prompts) + args.max_new_tokens + k
+    need = slot_capacity(max(len(p) for p in prompts), args.max_new_tokens, k)
     settings = dict(
         slots=args.slots or len(prompts),
-        capacity=min(16 * math.ceil(need / 16), model.config.max_position_embeddings),
+        capacity=min(need, model.config.max_position_embeddings),
         block_size=args.block_size,
         temperature=args.temperature,
         top_p=args.top_p,
