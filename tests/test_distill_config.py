@@ -130,7 +130,7 @@ REFERENCE_QWEN35_9B_DFLASH = {
 def test_qwen3_5_9b_recipe_has_the_references_drafter():
     """The 9B hybrid recipe's drafter, as exported, has the reference config's shape, and the
     recipe trains as the 8B one at the reference's scale (512 anchors, K = 16, seq 2048)."""
-    from adaflash_jax.drafter.checkpoint import config_to_hf
+    from adaflash_jax.drafter.hf_config import config_to_hf
 
     base = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
     cfg = load_config(os.path.join(CONFIGS, "qwen3_5_9b_v5p.py"))

@@ -21,8 +21,8 @@ from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill.checks import check_runtime
 from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.distill.shapes import run_drafter_config, run_mesh
-from adaflash_jax.drafter.checkpoint import config_from_hf
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.hf_config import config_from_hf
 from adaflash_jax.drafter.init import find_mask_token_id
 from adaflash_jax.io import fs
 from adaflash_jax.model.config import ConfigError, TargetConfig
