@@ -55,3 +55,22 @@ def test_run_shapes_need_no_weights():
         target_shape(path="gs://bucket/model")
     with pytest.raises(ConfigError, match="names no target"):
         target_shape()
+
+
+def test_the_planner_plans_the_drafter_the_run_trains():
+    """Heads, MLP width and length head of a recipe's drafter reach the planner: the MoE
+    recipe's drafter is a dense 6,144-wide MLP, not the target's per-expert width."""
+    import os
+
+    from adaflash_jax.distill.config_file import load_config
+    from adaflash_jax.plan.inputs import inputs_from_config
+
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+    cfg = load_config(os.path.join(path, "qwen3_6_35b_a3b_v5p.py"))
+    drafter = run_drafter(cfg, run_target(cfg))
+    shape = inputs_from_config(cfg, devices=32).drafter
+    assert shape.intermediate_size == drafter.intermediate_size != run_target(cfg).intermediate_size
+    assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (
+        drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim
+    )  # fmt: skip
+    assert shape.accept_dim == drafter.length_head.accept_dim

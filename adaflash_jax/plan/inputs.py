@@ -1,7 +1,7 @@
 """What the memory planner reads: a run's shapes, mesh and knobs, from presets or a config.
 
-A `RunConfig` is read as the run reads it: its target, mesh and slot capacity come from
-`distill/shapes.py`. Any other object (the plan CLI's defaults, a test's namespace) is read
+A `RunConfig` is read as the run reads it: its target, drafter, mesh and slot capacity come
+from `distill/shapes.py`. Any other object (the plan CLI's defaults, a test's namespace) is read
 by attribute; the fields it may carry (all optional except as noted):
 
 - target: a `TargetConfig`, a preset name or an HF directory; or `target_shape` (a preset
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adaflash_jax.distill.config import RunConfig
-from adaflash_jax.distill.shapes import engine_capacity, run_target, target_shape
+from adaflash_jax.distill.shapes import engine_capacity, run_drafter, run_target, target_shape
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.presets import PRESETS as TARGET_PRESETS  # noqa: F401 - re-exported
@@ -154,10 +154,12 @@ def target_from(cfg: Any) -> TargetConfig:
     )
 
 
-def _run_knobs(cfg: RunConfig) -> dict[str, Any]:
-    """A run config's fields under the planner's flat names."""
+def _run_knobs(cfg: RunConfig, target: TargetConfig) -> dict[str, Any]:
+    """A run config's fields under the planner's flat names; its drafter is the one the run
+    trains (`distill.shapes.run_drafter`: heads, MLP width and length head included)."""
     d = cfg.draft
     return dict(
+        drafter=run_drafter(cfg, target),
         mesh=cfg.mesh,
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
@@ -183,9 +185,9 @@ def _knob(cfg: Any, knobs: dict[str, Any] | None, name: str, default: Any = None
 
 def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> PlanInputs:
     """PlanInputs from a run-config object (see module docstring); `overrides` win."""
-    knobs = _run_knobs(cfg) if isinstance(cfg, RunConfig) else None
-    get = lambda name, default=None: overrides.get(name, _knob(cfg, knobs, name, default))  # noqa: E731
     target = overrides.get("target") or target_from(cfg)
+    knobs = _run_knobs(cfg, target) if isinstance(cfg, RunConfig) else None
+    get = lambda name, default=None: overrides.get(name, _knob(cfg, knobs, name, default))  # noqa: E731
     dcfg = _knob(cfg, knobs, "drafter")
     if dcfg is not None and hasattr(dcfg, "target_layer_ids"):
         head = getattr(dcfg, "length_head", None)
@@ -218,6 +220,8 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         drafter = dataclasses.replace(drafter, num_layers=overrides["drafter_layers"])
     if "block_size" in overrides:
         drafter = dataclasses.replace(drafter, block_size=overrides["block_size"])
+    if "num_features" in overrides:
+        drafter = dataclasses.replace(drafter, num_features=overrides["num_features"])
     remat = get("remat", False)
     if isinstance(remat, str):
         remat = remat.lower() not in ("", "none", "off", "false")
