@@ -5,38 +5,28 @@ request i.
 
 A cell is (method, c, domain). Its requests — the domain's prompts, cycled until there are at
 least c so every slot fills — flow through one `SpeculativeEngine` with c slots (continuous
-batching: a finished row takes the next queued request). Plain decoding runs through the same
-engine (`drafter=None`), so prefill, scheduling and host round trips cost the same and
-`ratio_to_plain` compares like with like, measured in the same process minutes apart.
-Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
-timed pass needs; the compiled-program count is checked around every timed pass). An engine
-that adapts across calls (goodput's skip arm: `SpeculativeEngine.learnt`) starts every
-timed pass from what its warm-up learnt, after a second warm-up from that same start: each
-timed pass then replays that second warm-up step for step (its decisions, finishing order
-and prefill shapes), so nothing compiles while timed. Then
-`repeats` rounds time one pass of every method of the (concurrency, domain) in turn, and each
-cell reports its fastest: the methods share every stretch of a machine whose speed drifts.
-
-Occupancy (`bench/occupancy.py`): the scheduler replayed from the step counts must match the
-measured loop steps (`occupancy_exact`); it gives the mean running rows and, for the adaflash
-rule, the fraction of steps above its threshold (the rule is off below it). The methods are
-`bench/methods.py`'s; the domain "all" rows and the ideal speedup `bench/report.py`'s.
+batching). Plain decoding runs through the same engine (`drafter=None`), so prefill,
+scheduling and host round trips cost the same and `ratio_to_plain` compares like with like.
+Each cell is warmed up and timed on the harnesses' one timing path (`bench/decode_timing.py`:
+nothing compiles while timed); `repeats` rounds time one pass of every method of the
+(concurrency, domain) in turn and each cell keeps its fastest, so the methods share every
+stretch of a machine whose speed drifts. The methods are `bench/methods.py`'s, a cell's row
+and trace `bench/cell.py`'s (its occupancy replayed by `bench/occupancy.py`), the domain
+"all" rows and the ideal speedup `bench/report.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 
-from adaflash_jax.bench.decode_timing import TimedPass, summarize, timed_pass, warm_up
+from adaflash_jax.bench.cell import cell_record
+from adaflash_jax.bench.decode_timing import TimedPass, timed_pass, warm_up
 from adaflash_jax.bench.methods import BenchError, Method
-from adaflash_jax.bench.occupancy import encode_trace, running_per_step
 from adaflash_jax.bench.report import add_ideal_speedup, aggregate
 from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.decode.build import build_engine
@@ -250,61 +240,18 @@ class ThroughputBench:
                 if m not in best or timed.wall_s < best[m].wall_s:
                     best[m] = timed
         return [
-            self.cell(m, concurrency, domain, best[m], warmup=warmup[m], compiles=compiles[m])
+            cell_record(
+                m,
+                self.engine(m, concurrency),
+                concurrency,
+                domain,
+                best[m],
+                policy_options=self.policy_kwargs(m) if m.drafter is not None else {},
+                warmup=warmup[m],
+                compiles=compiles[m],
+            )  # fmt: skip
             for m in self.methods
         ]
-
-    def cell(self, m: Method, concurrency, domain, timed: TimedPass, *, warmup, compiles):
-        """The row (and, for a drafter, the acceptance trace) of one method's fastest pass."""
-        engine = self.engine(m, concurrency)
-        wall, results, run = timed.wall_s, timed.results, timed.run
-        loop_steps = run["loop_steps"]
-        row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
-        steps = [r.steps for r in results]
-        running = running_per_step(steps, concurrency)
-        k = engine.block_size
-        requested = [w for r in results for w in r.requested_widths]
-        row.update(
-            method="plain" if m.drafter is None else m.drafter,
-            policy="none" if m.policy is None else m.policy,
-            label=m.label,
-            concurrency=concurrency,
-            domain=domain,
-            block_size=k,
-            policy_options=self.policy_kwargs(m) if m.drafter is not None else {},
-            committed=sum(a + 1 for r in results for a in r.accepted),
-            mean_running=float(np.mean(running)) if len(running) else 0.0,
-            occupancy_exact=len(running) == loop_steps,
-            cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
-            compiles_in_timed_pass=compiles,
-            probes=run["probes"],
-            output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
-        )
-        if m.drafter is None:
-            row["draft_fraction"] = 0.0
-        if m.policy == "adaflash":
-            thr = row["policy_options"]["threshold"]
-            row["policy_active_fraction"] = float(np.mean(running > thr)) if len(running) else 0.0
-        if m.drafter is None:
-            return row, None
-        trace = {
-            "label": m.label,
-            "method": row["method"],
-            "policy": row["policy"],
-            "policy_options": row["policy_options"],
-            "concurrency": concurrency,
-            "domain": domain,
-            "block_size": k,
-            "buckets": list(engine.buckets),
-            "loop_steps": loop_steps,
-            "wall_s": wall,
-            "accepted": [encode_trace(r.accepted) for r in results],
-            "requested": [encode_trace(r.requested_widths) for r in results],
-            "requested_offset": 0,  # 0 = an undrafted (plain) step
-        }
-        if m.policy == "goodput":  # the table the policy decided with (measured or given)
-            trace["goodput_cost"] = engine.policy.cost.to_json()
-        return row, trace
 
     # ---- everything -----------------------------------------------------------------------
     def run(self, on_level: Callable[[BenchResult], None] | None = None) -> BenchResult:
