@@ -4,139 +4,21 @@
   python -m experiments.attention_memory --program context --variants recompute,remat
   python -m experiments.attention_memory --platform cpu --layers 1 --anchors 64
 
-Compiles (never runs) a forward + backward and prints `compiled.memory_analysis()` per chip:
-- `drafter`: `Drafter.train_hidden` with a scalar loss on its output, gradients w.r.t. the
-  drafter parameters (fp32 masters, bf16 compute, as the trainer holds them); variants
-  `dense` (`masks.train_mask` + `attend`) and `sparse` (`train_attention`);
-- `context`: the block→context part alone (`prefix_attention`), gradients w.r.t. q/k/v;
-  variants `recompute` (custom_vjp) and `remat` (checkpointed scan).
-`--platform tpu` compiles for a TPU topology with libtpu and no TPU attached; `cpu` uses the
-local CPU backend. Batch is per chip: the global batch is `--batch` × (data · fsdp). Every
-figure is a compiler estimate. Exit status 0, or 2 on bad input.
+Compiles (never runs) a forward + backward and prints `compiled.memory_analysis()` per chip
+(the programs: `adaflash_jax/aot/attention_memory.py`). `--platform tpu` compiles for a TPU
+topology with libtpu and no TPU attached; `cpu` uses the local CPU backend. Batch is per
+chip: the global batch is `--batch` × (data · fsdp). Every figure is a compiler estimate.
+Exit status 0, or 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
-import time
 
-GIB = 2**30
-
-
-def _devices(platform: str, topology: str):
-    import jax
-
-    if platform == "cpu":
-        return jax.devices("cpu")
-    from jax.experimental import topologies
-
-    # Other processes on this machine may hold libtpu's lock file; a deviceless compile
-    # touches no chip, so sharing the library is safe.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    kind, _, dims = topology.partition(":")
-    bounds = tuple(min(int(d), 2) if i < 2 else 1 for i, d in enumerate(dims.split("x")))
-    return topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=topology,
-        chip_config_name="default",
-        chips_per_host_bounds=bounds,
-        num_slices=1,
-    ).devices
-
-
-def _programs(args, mesh):
-    """(variant, chunk) → (jitted function, abstract arguments) for `args.program`."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from adaflash_jax.distill.state import abstract_drafter, tree_shardings
-    from adaflash_jax.drafter.config import DrafterConfig
-    from adaflash_jax.drafter.train_attention import prefix_attention
-    from adaflash_jax.model.presets import target_preset
-    from adaflash_jax.sharding.rules import TRAIN_RULES
-
-    target = target_preset(args.shape)
-    batch = args.batch * mesh.shape["data"] * mesh.shape["fsdp"]
-    s, n, k = args.seq, args.anchors, args.block
-    bf16 = jnp.bfloat16
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    whole = NamedSharding(mesh, PartitionSpec())
-
-    def arg(shape, dtype, sharding=rows):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    if args.program == "context":
-        h, kv, dh = target.num_attention_heads, target.num_key_value_heads, target.head_dim
-        inputs = (
-            arg((batch, n * k, h, dh), bf16),
-            arg((batch, s, kv, dh), bf16),
-            arg((batch, s, kv, dh), bf16),
-            arg((batch, n * k), jnp.int32),
-        )
-
-        def build(variant, chunk):
-            def loss(q, ck, cv, limit):
-                out, lse = prefix_attention(q, ck, cv, limit, chunk=chunk, remat=variant == "remat")
-                return jnp.mean(jnp.square(out.astype(jnp.float32))) + jnp.mean(lse)
-
-            return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), inputs
-
-        return build
-
-    dcfg = DrafterConfig.for_target(
-        target, mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=k,
-        num_features=args.features, length_head=False,
-    )  # fmt: skip
-    graphdef, abstract = abstract_drafter(dcfg, bf16)
-    shardings = tree_shardings(abstract, mesh, TRAIN_RULES)
-    params = jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
-    )
-    inputs = (
-        params,
-        arg((batch, s, args.features * target.hidden_size), bf16),
-        arg((batch, s), jnp.int32),
-        arg((batch, n), jnp.int32),
-        arg((batch, n), jnp.bool_),
-        arg((target.vocab_size, target.hidden_size), bf16, whole),
-    )
-
-    def build(variant, chunk):
-        def loss(p, feats, tokens, anchors, valid, emb):
-            drafter = nnx.merge(graphdef, p)
-            hidden = drafter.train_hidden(
-                feats, tokens, anchors, valid, emb, attention=variant, attention_chunk=chunk
-            )
-            return jnp.mean(jnp.square(hidden.astype(jnp.float32)))
-
-        return jax.jit(jax.grad(loss), out_shardings=shardings), inputs
-
-    return build
-
-
-def _measure(fn, inputs) -> dict:
-    import jax
-
-    start = time.perf_counter()
-    try:
-        compiled = fn.lower(*inputs).compile()
-    except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program over HBM
-        return {"refused": str(e).splitlines()[0][:300]}
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    return {
-        "temp_gib": mem.temp_size_in_bytes / GIB,
-        "peak_gib": mem.peak_memory_in_bytes / GIB,
-        "args_gib": mem.argument_size_in_bytes / GIB,
-        "out_gib": mem.output_size_in_bytes / GIB,
-        "tflop": cost.get("flops", float("nan")) / 1e12,
-        "compile_s": time.perf_counter() - start,
-    }
+from adaflash_jax.aot.attention_memory import VARIANTS, AttentionShapes, devices, measure
+from adaflash_jax.cli import one_line_errors
+from adaflash_jax.train.mesh import make_mesh
 
 
 def main(argv=None) -> int:
@@ -155,31 +37,25 @@ def main(argv=None) -> int:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     args = p.parse_args(argv)
-    default_variants = {"drafter": "dense,sparse", "context": "recompute,remat"}
-    variants = (args.variants or default_variants[args.program]).split(",")
-    allowed = default_variants[args.program].split(",")
+    allowed = VARIANTS[args.program]
+    variants = args.variants.split(",") if args.variants else list(allowed)
     try:
         chunks = [int(c) for c in args.chunks.split(",")]
         mesh_shape = [int(m) for m in args.mesh.split(",")]
     except ValueError:
         p.error("--chunks and --mesh take comma-separated integers")
     if bad := [v for v in variants if v not in allowed]:
-        p.error(f"--program {args.program} has variants {allowed}, not {bad}")
-    if not re.fullmatch(r"\w+:\d+(x\d+)+", args.topology):
-        p.error(f"--topology takes NAME:AxBxC such as v5p:2x2x1, not {args.topology!r}")
+        p.error(f"--program {args.program} has variants {list(allowed)}, not {bad}")
     if len(mesh_shape) != 3 or min(chunks) < 1:
         p.error("--mesh takes data,fsdp,tensor and --chunks positive sizes")
-
-    from adaflash_jax.train.mesh import make_mesh
-
     try:
-        mesh = make_mesh(*mesh_shape, devices=_devices(args.platform, args.topology))
-    except (ValueError, RuntimeError) as e:  # a bad mesh, or a topology libtpu rejects
+        mesh = make_mesh(*mesh_shape, devices=devices(args.platform, args.topology))
+    except (ValueError, RuntimeError) as e:  # a bad mesh or slice, or one libtpu rejects
         p.error(str(e).splitlines()[0])
-    from adaflash_jax.cli import one_line_errors
-
-    with one_line_errors("error", ValueError):  # e.g. an unknown --shape
-        build = _programs(args, mesh)
+    shapes = AttentionShapes(
+        program=args.program, shape=args.shape, layers=args.layers, features=args.features,
+        batch=args.batch, seq=args.seq, anchors=args.anchors, block=args.block,
+    )  # fmt: skip
     where = f"{args.topology} (deviceless)" if args.platform == "tpu" else "CPU backend"
     print(
         f"# {args.program}: {where}, mesh {dict(mesh.shape)}, per chip B={args.batch} "
@@ -188,9 +64,8 @@ def main(argv=None) -> int:
     )
     print("| variant | chunk | temporaries GiB | peak GiB | arguments GiB | TFLOP | compile s |")
     print("|---|---|---|---|---|---|---|")
-    for variant in variants:
-        for chunk in chunks if variant != "dense" else chunks[:1]:
-            r = _measure(*build(variant, chunk))
+    with one_line_errors("error", ValueError):  # e.g. an unknown --shape
+        for variant, chunk, r in measure(shapes, mesh, variants, chunks):
             c = "-" if variant == "dense" else chunk
             if "refused" in r:
                 print(f"| {variant} | {c} | refused: {r['refused']} | | | | |")

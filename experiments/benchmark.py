@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from adaflash_jax.bench.throughput_bench import DEFAULT_METHODS, BenchError
+from adaflash_jax.bench.methods import DEFAULT_METHODS, BenchError, parse_method
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
             repeats=a.repeats,
             requests_per_slot=a.requests_per_slot,
         )
-        methods = [tb.parse_method(m) for m in a.methods.split(",") if m.strip()]
+        methods = [parse_method(m) for m in a.methods.split(",") if m.strip()]
         wanted = {m.drafter for m in methods if m.drafter is not None}
         missing = sorted(wanted - set(src["drafters"]))
         if missing:

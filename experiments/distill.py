@@ -47,9 +47,11 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     from adaflash_jax.cli import bad_input_errors
-    from adaflash_jax.distill.config import ConfigError, load_config, override
+    from adaflash_jax.distill.config_file import load_config
+    from adaflash_jax.distill.overrides import override
     from adaflash_jax.distill.pipeline import Preempted, run
     from adaflash_jax.io.fs import StorageError
+    from adaflash_jax.model.config import ConfigError
     from adaflash_jax.train.optimizer import NonFiniteError
 
     try:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import jax.numpy as jnp
 
-from adaflash_jax.bench.step_cost import engine_table
+from adaflash_jax.bench.engines import speculative_generate
 from adaflash_jax.cli import one_line_errors
-from adaflash_jax.decode.build import POLICY_NAMES, build_engine
+from adaflash_jax.decode.build import POLICY_NAMES
 from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
 from adaflash_jax.decode.policy import PolicyError
 from adaflash_jax.decode.slots import EngineError
+from adaflash_jax.drafter.checkpoint import load_drafter
+from adaflash_jax.embedded import default_target_dir as embedded_target_dir
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.tokenizer import Tokenizer, TokenizerError
@@ -64,12 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def default_target_dir() -> str:
-    from adaflash_jax.embedded import default_target_dir as embedded_dir
-
-    return os.fspath(embedded_dir())
-
-
 def build_requests(args, tok: Tokenizer | None) -> list[list[int]]:
     """Token-id prompts from --prompt (tokenized, optionally chat-templated) and --prompt-ids."""
     if args.prompt and tok is None:
@@ -104,69 +99,39 @@ def main(argv=None) -> None:
         run(args)
 
 
-def goodput_options(args) -> dict:
-    kw = {"skip_draft": not args.no_skip_draft}
-    if args.estimator:
-        kw["estimator"] = args.estimator
-    return kw
-
-
-def speculative(args, model, prompts, eos):
-    """(outputs, per-prompt stats) through the engine; greedy output equals `generate`."""
-    from adaflash_jax.drafter.checkpoint import load_drafter
-
-    drafter = load_drafter(args.drafter, dtype=model.dtype)
-    try:
-        drafter.config.validate_against(model.config)
-    except ConfigError as e:
-        raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
-    k = args.block_size or drafter.config.block_size
-    need = max(len(p) for p in prompts) + args.max_new_tokens + k
-    settings = dict(
-        slots=args.slots or len(prompts),
-        capacity=min(16 * math.ceil(need / 16), model.config.max_position_embeddings),
-        block_size=args.block_size,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_ids=eos,
-    )
-    options = goodput_options(args) if args.policy == "goodput" else None
-    cost = args.cost_table
-    if args.policy == "goodput" and cost is None:  # measured on this engine (cached)
-        cost = engine_table(model, drafter, policy_kwargs=options, **settings)
-    engine = build_engine(
-        model, drafter, policy=args.policy, policy_kwargs=options, cost_table=cost, **settings
-    )
-    results = engine.generate([(p, args.max_new_tokens) for p in prompts])
-    stats = [
-        {"accepted": r.accepted, "tau": None if r.steps == 0 else r.tau, "steps": r.steps}
-        for r in results
-    ]
-    return [r.output_ids for r in results], stats
+def goodput_options(args) -> dict | None:
+    if args.policy != "goodput":
+        return None
+    options = {"skip_draft": not args.no_skip_draft}
+    return options | ({"estimator": args.estimator} if args.estimator else {})
 
 
 def run(args) -> None:
-    target_dir = args.target or default_target_dir()
+    target_dir = args.target or os.fspath(embedded_target_dir())
     has_tok = os.path.isfile(os.path.join(target_dir, "tokenizer.json"))
     tok = Tokenizer(target_dir) if has_tok else None
     model = load_target(target_dir, dtype=getattr(jnp, args.dtype))
     prompts = build_requests(args, tok)
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
-    if args.drafter is not None:
-        outputs, stats = speculative(args, model, prompts, eos)
-        print_results(args, tok, prompts, outputs, stats)
-        return
-    outputs = generate(
-        model,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_ids=eos,
-    )
-    print_results(args, tok, prompts, outputs)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_ids=eos)
+    if args.drafter is None:
+        outputs = generate(model, prompts, max_new_tokens=args.max_new_tokens, **sampling)
+        return print_results(args, tok, prompts, outputs)
+    drafter = load_drafter(args.drafter, dtype=model.dtype)
+    try:
+        drafter.config.validate_against(model.config)
+    except ConfigError as e:
+        raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
+    results = speculative_generate(
+        model, drafter, prompts, max_new_tokens=args.max_new_tokens, slots=args.slots,
+        block_size=args.block_size, policy=args.policy, policy_kwargs=goodput_options(args),
+        cost_table=args.cost_table, **sampling,
+    )  # fmt: skip
+    stats = [
+        {"accepted": r.accepted, "tau": None if r.steps == 0 else r.tau, "steps": r.steps}
+        for r in results
+    ]
+    print_results(args, tok, prompts, [r.output_ids for r in results], stats)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ import argparse
 import sys
 import types
 
+from adaflash_jax.distill.config_file import load_config_file
+from adaflash_jax.distill.shapes import target_shape
 from adaflash_jax.model.config import ConfigError
+from adaflash_jax.model.presets import target_preset
 from adaflash_jax.plan import (
     GIB,
     choose_mesh,
@@ -24,11 +27,9 @@ from adaflash_jax.plan import (
     format_advice,
     format_plan,
     inputs_from_config,
-    load_config_file,
 )
 from adaflash_jax.plan.advice import CHIP_HBM_GIB, slice_table
 from adaflash_jax.plan.compiled import compile_request, format_compiled
-from adaflash_jax.plan.inputs import target_from, target_preset
 
 KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers", "num_features",
          "logits_chunk", "collect_slots", "collect_capacity")  # fmt: skip
@@ -66,9 +67,7 @@ def main(argv=None) -> int:
     cfg = load_config_file(args.config) if args.config else types.SimpleNamespace(**defaults)
     over = {k: getattr(args, k) for k in (*KNOBS, "remat", "attention") if getattr(args, k)}
     if args.target_shape or args.target_path:
-        over["target"] = target_from(
-            types.SimpleNamespace(target_shape=args.target_shape, target_path=args.target_path)
-        )
+        over["target"] = target_shape(shape=args.target_shape, path=args.target_path)
     if args.table:  # the table sizes mesh and batch per slice itself
         over.update(mesh=(1, 1, 1), batch_size=1, collect_slots=None)
         args.devices = 1

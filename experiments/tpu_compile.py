@@ -57,7 +57,9 @@ def main(argv=None) -> int:
 
     from adaflash_jax.aot import programs, report, session
     from adaflash_jax.aot.topology import parse_slice
-    from adaflash_jax.distill.config import ConfigError, load_config, override
+    from adaflash_jax.distill.config_file import load_config
+    from adaflash_jax.distill.overrides import override
+    from adaflash_jax.model.config import ConfigError
 
     try:
         if bad := [kv for kv in args.set if "=" not in kv]:

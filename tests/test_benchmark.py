@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from adaflash_jax.bench import methods
 from adaflash_jax.bench import throughput_bench as tb
 from adaflash_jax.io.cost_table import VerifyCostTable
 from experiments import benchmark, project_throughput
@@ -18,18 +19,15 @@ REQUIRED = ("method", "policy", "concurrency", "domain", "tokens_per_s", "tau",
 
 
 def test_parse_method_and_errors():
-    assert tb.parse_method("plain") == tb.Method()
-    m = tb.parse_method("adaflash:adaflash:threshold=0,rate=1.5")
+    assert methods.parse_method("plain") == methods.Method()
+    m = methods.parse_method("adaflash:adaflash:threshold=0,rate=1.5")
     assert m.options == (("threshold", 0), ("rate", 1.5)) and "threshold=0" in m.label
-    m = tb.parse_method("adaflash:goodput:skip_draft=False+verify=packed")
+    m = methods.parse_method("adaflash:goodput:skip_draft=False+verify=packed")
     assert m.options == (("skip_draft", False), ("verify", "packed"))
-    bench = tb.ThroughputBench.__new__(tb.ThroughputBench)  # the option split needs no models
-    bench.settings, bench.methods = tb.BenchSettings(concurrencies=(1,)), (m,)
-    assert bench.engine_options(m) == {"verify": "packed"} and bench.packs("adaflash")
-    assert bench.policy_kwargs(m) == {"estimator": "confidence", "skip_draft": False}
+    assert m.engine_options == {"verify": "packed"} and m.policy_options == {"skip_draft": False}
     for bad in ("stage1", "x:nope", "a:fixed:novalue"):
-        with pytest.raises(tb.BenchError):
-            tb.parse_method(bad)
+        with pytest.raises(methods.BenchError):
+            methods.parse_method(bad)
     assert tb.cell_requests([[1], [2]], 3, 5) == [([1], 5), ([2], 5), ([1], 5)]
 
 
@@ -99,10 +97,10 @@ def test_head_estimator_without_the_output_is_refused_before_any_compute():
     drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=4), length_head=None)
     settings = tb.BenchSettings(concurrencies=(1,))
     for method in ("adaflash:goodput:estimator=head", "adaflash:adaflash"):
-        with pytest.raises(tb.BenchError, match="adaflash"):
+        with pytest.raises(methods.BenchError, match="adaflash"):
             tb.ThroughputBench(None, {"adaflash": drafter}, {"code": [[1]]},
-                               [tb.parse_method(method)], settings)  # fmt: skip
+                               [methods.parse_method(method)], settings)  # fmt: skip
     head_settings = tb.BenchSettings(concurrencies=(1,), goodput_estimator="head")
-    with pytest.raises(tb.BenchError, match="accept_probs"):
+    with pytest.raises(methods.BenchError, match="accept_probs"):
         tb.ThroughputBench(None, {"adaflash": drafter}, {"code": [[1]]},
-                           [tb.parse_method("adaflash:goodput")], head_settings)  # fmt: skip
+                           [methods.parse_method("adaflash:goodput")], head_settings)  # fmt: skip

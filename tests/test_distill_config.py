@@ -8,7 +8,10 @@ import jax
 import pytest
 
 from adaflash_jax.distill.abstract import abstract_stage2_state, nbytes
-from adaflash_jax.distill.config import ConfigError, RunConfig, load_config, override
+from adaflash_jax.distill.config import ConfigError, RunConfig
+from adaflash_jax.distill.config_file import load_config, load_config_file
+from adaflash_jax.distill.overrides import override
+from adaflash_jax.distill.shapes import run_drafter, run_mesh, run_target
 from adaflash_jax.model.presets import target_preset
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
@@ -46,7 +49,7 @@ def test_overrides_and_errors():
     with pytest.raises(ConfigError, match="collector"):
         override(cfg, {"stage2.collect_temperature": "1.0"})  # replay is greedy-only
     with pytest.raises(ConfigError, match="mesh"):
-        cfg.resolve_mesh(3)
+        run_mesh(cfg, 3)
     for field, value in (
         ("stage2.anchors", "'sequence'"),  # stage 2 draws over the response or visited starts
         ("stage2.pool", "'eval'"),
@@ -127,8 +130,7 @@ REFERENCE_QWEN35_9B_DFLASH = {
 def test_qwen3_5_9b_recipe_has_the_references_drafter():
     """The 9B hybrid recipe's drafter, as exported, has the reference config's shape, and the
     recipe trains as the 8B one at the reference's scale (512 anchors, K = 16, seq 2048)."""
-    from adaflash_jax.aot.abstract import run_drafter, run_target
-    from adaflash_jax.drafter.checkpoint import config_to_hf
+    from adaflash_jax.drafter.hf_config import config_to_hf
 
     base = load_config(os.path.join(CONFIGS, "qwen3_8b_v5p.py"))
     cfg = load_config(os.path.join(CONFIGS, "qwen3_5_9b_v5p.py"))
@@ -150,7 +152,6 @@ def test_qwen3_5_9b_recipe_has_the_references_drafter():
 def test_qwen3_6_35b_a3b_recipe():
     """The hybrid MoE recipe: the 8B recipe with its target and z-lab's drafter shape for it
     (8 layers, MLP 6144, 32 q / 4 kv heads of 128, layers [1, 10, 19, 28, 37], mask 248070)."""
-    from adaflash_jax.aot.abstract import run_drafter, run_target
 
     cfg = load_config(os.path.join(CONFIGS, "qwen3_6_35b_a3b_v5p.py"))
     target = run_target(cfg)
@@ -172,19 +173,15 @@ def test_qwen3_8b_recipe_builds_abstractly():
     assert 14 < target_gb < 17  # 8.2B bf16 params
     assert 3.5 < drafter_gb < 5.5  # ~1.1B fp32 master weights (5 layers + fc + head)
     assert nbytes(state.opt_state) == pytest.approx(2 * nbytes(state.params), rel=0.01)
-    assert cfg.resolve_mesh(32) == (4, 8, 1)
+    assert run_mesh(cfg, 32) == (4, 8, 1)
 
 
 def test_one_config_file_loader(tmp_path):
     """The planner reads config files through the run config's loader; a file whose object
     is not a RunConfig still plans, but does not run."""
-    from adaflash_jax.distill import config as C
-    from adaflash_jax.plan import inputs
-
-    assert inputs.load_config_file is C.load_config_file
     path = tmp_path / "plan_only.py"
     path.write_text("import types\nCONFIG = types.SimpleNamespace(batch_size=4)\n")
-    assert C.load_config_file(path).batch_size == 4
+    assert load_config_file(path).batch_size == 4
     with pytest.raises(ConfigError, match="not RunConfig"):
         load_config(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -10,13 +10,13 @@ import jax
 import pytest
 from flax import nnx
 
+from adaflash_jax.bench.loop_timing import build_random_target
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.presets import PRESETS, target_preset
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.plan import inputs as plan_inputs
 from adaflash_jax.plan.params import target_params
 from adaflash_jax.train.presets import get_preset
-from experiments import benchmark_decode
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -43,7 +43,7 @@ def test_consumers_read_the_registry():
     for name in ("micro", "tiny", "small"):  # pretraining presets: the registry's shapes
         p = get_preset(name)
         assert p.target_config(p.vocab_size, None) == target_preset(name)
-    model = benchmark_decode.build_random_target("micro")
+    model = build_random_target("micro")
     assert model.config == target_preset("micro")
     assert target_preset("test", vocab_size=96).vocab_size == 96
     with pytest.raises(ConfigError, match="unknown target shape 'qwen9-1t'"):

@@ -10,7 +10,7 @@ import pytest
 
 from adaflash_jax.bench import cost_model as cm
 from adaflash_jax.bench import projection as pj
-from adaflash_jax.bench.throughput_bench import occupancy, running_per_step
+from adaflash_jax.bench.occupancy import occupancy, running_per_step
 from experiments import project_throughput
 
 COST = {  # rows 1 and 4; widths 1, 2, 4; draft 2 ms and 4 ms

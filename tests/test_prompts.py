@@ -83,6 +83,7 @@ def test_stage2_pool_is_disjoint_from_stage1(tmp_path):
     balanced over domains; a separate stage-2 file may hold other domains."""
     from adaflash_jax.distill import config as C
     from adaflash_jax.distill.context import _prompts, _stage2_prompts
+    from adaflash_jax.distill.overrides import override
 
     train = _write(tmp_path / "t.jsonl", [{"domain": d, "prompt": f"{d} {i}"}
                                          for d in ("a", "b") for i in range(10)])  # fmt: skip
@@ -99,11 +100,11 @@ def test_stage2_pool_is_disjoint_from_stage1(tmp_path):
     assert not {P.identity(p) for p in pool} & {P.identity(p) for p in first}
     # a separate stage-2 file (another domain: domain adaptation) is used as it is
     other = _write(tmp_path / "s.jsonl", [{"domain": "c", "prompt": f"c {i}"} for i in range(9)])
-    cfg = C.override(cfg, {"data.stage2_prompts": repr(other)})
+    cfg = override(cfg, {"data.stage2_prompts": repr(other)})
     pool = _stage2_prompts(cfg, first, {})
     assert len(pool) == 8 and {p.domain for p in pool} == {"c"}
     # the pool "stage1" replays stage 1's sequences: no fresh prompts are drawn
-    assert _stage2_prompts(C.override(cfg, {"stage2.pool": "'stage1'"}), first, {}) == []
+    assert _stage2_prompts(override(cfg, {"stage2.pool": "'stage1'"}), first, {}) == []
 
 
 def test_thinking_mode_reaches_the_template(tmp_path):

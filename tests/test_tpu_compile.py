@@ -11,11 +11,12 @@ import pytest
 
 from adaflash_jax.aot import chips, flops
 from adaflash_jax.aot import programs as P
-from adaflash_jax.aot.abstract import per_chip_bytes, run_drafter, run_target
+from adaflash_jax.aot.abstract import per_chip_bytes
 from adaflash_jax.aot.report import Figures, compile_program
 from adaflash_jax.aot.topology import parse_slice, slice_devices
 from adaflash_jax.aot.train_programs import train_programs
-from adaflash_jax.distill.config import load_config
+from adaflash_jax.distill.config_file import load_config
+from adaflash_jax.distill.shapes import run_drafter, run_mesh, run_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.plan import estimate, inputs_from_config
 from adaflash_jax.plan.advice import CHIP_HBM_GIB
@@ -63,7 +64,7 @@ def test_abstract_devices_match_the_slice():
 def tiny():
     cfg = load_config(TINY)
     s = parse_slice("v5p:2x2x1")
-    mesh = make_mesh(*cfg.resolve_mesh(s.chips), devices=slice_devices(s))
+    mesh = make_mesh(*run_mesh(cfg, s.chips), devices=slice_devices(s))
     return cfg, s, mesh
 
 

@@ -1,9 +1,8 @@
 """A run's models and shapes, built abstractly (`eval_shape`) with the shardings a mesh gives
 them: what a deviceless compile lowers against. Nothing is allocated.
 
-The target shape comes from the run config the way the planner reads it (`target_shape`
-preset, a local `target_path`, or the embedded preset's architecture, which needs no build);
-the drafter is the run's fresh drafter (`distill.context.run_drafter_config`).
+The shapes themselves are what the run config implies (`distill/shapes.py`); this module
+gives them their shardings.
 """
 
 from __future__ import annotations
@@ -15,22 +14,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from adaflash_jax.distill.config import RunConfig
-from adaflash_jax.distill.context import run_drafter_config
 from adaflash_jax.distill.state import abstract_drafter, tree_shardings
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.target import TargetLM
-from adaflash_jax.plan.inputs import target_from
 from adaflash_jax.sharding.rules import Rules
 from adaflash_jax.train.state import abstract_with_shardings
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def run_target(cfg: RunConfig) -> TargetConfig:
-    """The target architecture a run config names (no weights read)."""
-    return target_from(cfg)
 
 
 def dense_twin(target: TargetConfig) -> TargetConfig:
@@ -39,15 +30,6 @@ def dense_twin(target: TargetConfig) -> TargetConfig:
     if not target.is_hybrid:
         raise ConfigError(f"a dense twin needs a hybrid target, not {target.model_type!r}")
     return dataclasses.replace(target, layer_types=("full_attention",) * target.num_hidden_layers)
-
-
-def run_drafter(cfg: RunConfig, target: TargetConfig) -> DrafterConfig:
-    """The run's fresh drafter; a config without a mask token (the embedded targets take
-    theirs from the tokenizer) gets the last vocabulary row, which changes no shape."""
-    mask = cfg.draft.mask_token_id
-    dcfg = run_drafter_config(cfg, target, target.vocab_size - 1 if mask is None else mask)
-    dcfg.validate_against(target)
-    return dcfg
 
 
 def sharded(tree, mesh: Mesh, rules: Rules):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from adaflash_jax.aot import decode_programs as dp
-from adaflash_jax.aot.abstract import DTYPES, run_drafter, run_target
+from adaflash_jax.aot.abstract import DTYPES
 from adaflash_jax.aot.program import Program
 from adaflash_jax.aot.report import LABEL, Figures
 from adaflash_jax.aot.train_programs import target_forward_program, train_programs
@@ -28,8 +28,8 @@ from adaflash_jax.bench.step_cost import table_from_steps
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS
 from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.shapes import engine_capacity, run_drafter, run_target
 from adaflash_jax.io.cost_table import VerifyCostTable
-from adaflash_jax.plan.inputs import engine_capacity
 from adaflash_jax.sharding.rules import DECODE_RULES, TRAIN_RULES
 
 GROUPS = ("train", "generate", "prefill", "engine", "draft")

@@ -7,13 +7,10 @@ bytes and XLA's estimated step time. Every figure is a COMPILER ESTIMATE, not a 
   fitting, with the compiler's message.
 - FLOPs and bytes accessed per chip, and `optimal_seconds` (`cost_analysis()`): XLA's roofline
   estimate of one call. Custom kernels are opaque to it (kernels.py lists those left out).
-  On v5e and v6e (libtpu 0.0.42) XLA inserts `ConcatBitcast` custom calls (weights it
-  prefetches into on-chip memory in slices, then joins) and its estimate counts each as −1 s
-  (measured: an 8B program with 13, 30, 31 or 218 of them came out at −13, −30, −31 and −218
-  s plus a few ms). TPU lowers `triangular_solve` (which the chunked delta rule of a hybrid
-  target used until it moved to matmuls only) through an `InvertDiagBlocksLowerTriangular`
-  custom call, which the estimate also counts as −1 s (measured on one v5p chip: the solve
-  alone −0.9991 s, the whole chunked rule −0.9975 s; the same shapes as a matmul +0.29 ms).
+  On v5e and v6e XLA inserts `ConcatBitcast` custom calls (weights it prefetches into
+  on-chip memory in slices, then joins), and TPU lowers `triangular_solve` through an
+  `InvertDiagBlocksLowerTriangular` custom call; its estimate counts each of either as −1 s
+  (BENCHMARKS.md §5.3 and §10 have the figures that showed it).
   Where the raw figure is negative, those seconds are added back, and both figures are kept.
   The custom calls' own work is not in XLA's FLOPs or time (small: an in-place inversion of
   the Tc × Tc diagonal blocks).

@@ -14,9 +14,11 @@ import jax
 
 from adaflash_jax.aot import programs as P
 from adaflash_jax.aot import report as R
-from adaflash_jax.aot.abstract import dense_twin, run_drafter, run_target
+from adaflash_jax.aot.abstract import dense_twin
 from adaflash_jax.aot.topology import Slice, slice_devices
+from adaflash_jax.distill.checks import check_runtime
 from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.shapes import run_drafter, run_target
 from adaflash_jax.model.config import ConfigError
 
 
@@ -63,7 +65,9 @@ def compile_run(
     """`twin`: the target's dense twin (`abstract.dense_twin`) instead of the hybrid."""
     target = _target(cfg, twin)
     dcfg = run_drafter(cfg, target)
-    shape = cfg.check_runtime(num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id)
+    shape = check_runtime(
+        cfg, num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id
+    )
     progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths, target=target)
     figs = _compile_all(progs, sl, log)
     meta = _meta(cfg, sl, shape, "run", overrides or {})

@@ -21,13 +21,12 @@ from adaflash_jax.aot.abstract import (
     DTYPES,
     abstract_drafter_params,
     abstract_target,
-    run_drafter,
-    run_target,
     struct,
 )
 from adaflash_jax.aot.program import Program
 from adaflash_jax.distill import steps
 from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.shapes import run_drafter, run_target
 from adaflash_jax.distill.stages import stage_optimizer, step_spec
 from adaflash_jax.distill.state import new_train_state, tree_shardings
 from adaflash_jax.sharding.rules import TRAIN_RULES

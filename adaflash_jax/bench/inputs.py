@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from adaflash_jax.bench.throughput_bench import BenchError
+from adaflash_jax.bench.methods import BenchError
 from adaflash_jax.model.presets import target_preset
 
 

@@ -28,7 +28,7 @@ import json
 import numpy as np
 
 from adaflash_jax.bench.cost_model import CostModel
-from adaflash_jax.bench.throughput_bench import decode_trace, occupancy, running_per_step
+from adaflash_jax.bench.occupancy import decode_trace, occupancy, running_per_step
 from adaflash_jax.io.cost_table import FORMAT
 
 

@@ -1,10 +1,92 @@
-"""Benchmark outputs: bench.json rows → a markdown report and PNG plots (matplotlib, Agg)."""
+"""Benchmark outputs: the measured rows aggregated over domains (and, at concurrency 1, set
+against their ideal speedup), then written as bench.json, a markdown report and PNG plots
+(matplotlib, Agg)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+
+import numpy as np
+
+from adaflash_jax.io.cost_table import VerifyCostTable
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Domain "all" rows per (label, concurrency): Σ tokens / Σ wall, step-weighted τ/width."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["domain"] != "all":
+            groups.setdefault((r["label"], r["concurrency"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        steps = sum(r["verify_steps"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        agg = {
+            k: rs[0][k]
+            for k in ("method", "policy", "label", "concurrency", "block_size", "policy_options")
+        }
+        agg.update(
+            domain="all",
+            requests=sum(r["requests"] for r in rs),
+            tokens=sum(r["tokens"] for r in rs),
+            wall_s=wall,
+            tokens_per_s=sum(r["tokens"] for r in rs) / wall,
+            verify_steps=steps,
+            loop_steps=sum(r["loop_steps"] for r in rs),
+            committed=sum(r["committed"] for r in rs),
+            tau=sum(r["committed"] for r in rs) / steps if steps else math.nan,
+            mean_verify_width=sum(r["mean_verify_width"] * r["verify_steps"] for r in rs) / steps,
+            mean_requested_width=sum(r["mean_requested_width"] * r["verify_steps"] for r in rs)
+            / steps,
+            mean_running=float(np.mean([r["mean_running"] for r in rs])),
+            cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
+            draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
+            probes=sum(r["probes"] for r in rs),
+            verified_tokens=sum(r["verified_tokens"] for r in rs),
+            computed_tokens=sum(r["computed_tokens"] for r in rs),
+            compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
+            occupancy_exact=all(r["occupancy_exact"] for r in rs),
+            matches_plain=all(r["matches_plain"] for r in rs),
+        )
+        if "policy_active_fraction" in rs[0]:
+            w = [r["loop_steps"] for r in rs]
+            agg["policy_active_fraction"] = float(
+                np.average([r["policy_active_fraction"] for r in rs], weights=w)
+            )
+        out.append(agg)
+    plain = {r["concurrency"]: r for r in out if r["method"] == "plain"}
+    for r in out:
+        r["ratio_to_plain"] = r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"]
+    return out
+
+
+def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> None:
+    """At concurrency 1: ideal speedup τ · t_plain / (t_draft + t_verify(W̄)), with t_plain the
+    measured plain step of the same cell (wall / loop steps, prefill included) and the draft
+    and verify times from the drafter's cost table (W̄ = mean verify width, interpolated);
+    and the measured ratio to plain as a fraction of it. The gap is what the engine spends
+    per step beyond its loop step (prefill, scheduling, host round trips)."""
+    plain = {r["domain"]: r for r in rows if r["method"] == "plain" and r["concurrency"] == 1}
+    for r in rows:
+        table = tables.get(r["method"])
+        if r["concurrency"] != 1 or table is None or r["domain"] not in plain:
+            continue
+        p = plain[r["domain"]]
+        t_plain = 1e3 * p["wall_s"] / max(p["loop_steps"], 1)
+        col = [table.verify(1, w) for w in table.widths]
+        t_verify = float(np.interp(r["mean_verify_width"], table.widths, col))
+        # undrafted steps of a skip_draft policy pay no draft
+        t_draft = r.get("draft_fraction", 1.0) * float(np.interp(1, table.rows, table.draft_ms))
+        ideal = r["tau"] * t_plain / (t_draft + t_verify)
+        r.update(
+            ideal_speedup=ideal,
+            fraction_of_ideal=r["ratio_to_plain"] / ideal,
+            plain_step_ms=t_plain,
+            draft_verify_ms=t_draft + t_verify,
+            step_ms_measured=1e3 * r["wall_s"] / max(r["loop_steps"], 1),
+        )
 
 
 def _fmt(x, spec: str = ".2f") -> str:

@@ -10,6 +10,7 @@ is a DFlash-shaped model of the target's widths, initialised leaf by leaf like t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -17,8 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.bench.forward_timing import make_verify_fn, random_state, time_forward
+from adaflash_jax.bench.forward_timing import (
+    make_verify_fn,
+    random_state,
+    random_target,
+    time_forward,
+)
 from adaflash_jax.bench.shapes import weight_bytes
+from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 
@@ -108,3 +115,52 @@ def markdown_grid(rows, floor: float | None = None) -> str:
     if floor is not None:
         lines.append(f"\nweight-read floor of one step: {floor:.2f} ms")
     return "\n".join(lines)
+
+
+def shape_tables(
+    cfg, name: str, *, batches, widths, context: int, iters: int, bandwidth_tbs: float,
+    draft_layers: int = 0, block_size: int = 16, draft_batches=None, report: dict, log=print,
+):  # fmt: skip
+    """The verify table of random bf16 weights of `cfg` and, with `draft_layers`, the drafter
+    block forward per batch, filled into `report` as they come (a run cut short keeps what
+    it has; `log` gets every progress line). Returns the (graphdef, state) pairs of the
+    target and of the drafter (None without one), for `engine_cost_table`."""
+    device = jax.devices()[0].device_kind
+    floor = floor_ms(cfg, bandwidth_tbs)
+    rows, draft_rows, summary = [], [], {}
+    report.update(shape=name, device=device, context=context, floor_ms=floor,
+                  decode_b1=summary, rows=rows, draft_rows=draft_rows)  # fmt: skip
+    log(f"{name} on {device}: weight-read floor {floor:.2f} ms")
+    t0 = time.perf_counter()
+    target = random_target(cfg, jnp.bfloat16)
+    log(f"random bf16 weights in {time.perf_counter() - t0:.1f} s")
+    kw = dict(context=context, iters=iters, log=log)
+    verify_table(*target, cfg, batches=batches, widths=widths, rows=rows, **kw)
+    drafter = None
+    if draft_layers:
+        drafter = random_drafter(cfg, layers=draft_layers, block_size=block_size)
+        draft_times(*target, *drafter, batches=draft_batches or batches, rows=draft_rows, **kw)
+    decode = [r for r in rows if r["batch"] == 1 and r["width"] == 1]
+    if decode:
+        ms = decode[0]["median_ms"]
+        summary.update(decode_b1_ms=ms, floor_ms=floor, ratio=ms / floor)
+    return target, drafter
+
+
+def decode_summary(summary: dict) -> str:
+    """The plain decode step at B=1 against the weight-read floor and the goal."""
+    met = "met" if summary["ratio"] <= DECODE_GOAL else "NOT met"
+    return (
+        f"plain decode step at B=1: {summary['decode_b1_ms']:.2f} ms = {summary['ratio']:.2f}x "
+        f"the floor (goal <= {DECODE_GOAL}x: {met})"
+    )
+
+
+def engine_cost_table(target, drafter, *, rows, capacity: int, widths, rounds: int, label: str):
+    """The engine's cost table (`step_cost.measure`: its loop program per verify width, the
+    plain loop and the draft forward) of random-weight (graphdef, state) pairs."""
+    table = measure(
+        nnx.merge(*target), nnx.merge(*drafter), rows=rows, capacity=capacity, buckets=widths,
+        rounds=rounds,
+    )  # fmt: skip
+    return dataclasses.replace(table, model=f"{label} random bf16; {table.model}")

@@ -5,42 +5,31 @@ request i.
 
 A cell is (method, c, domain). Its requests — the domain's prompts, cycled until there are at
 least c so every slot fills — flow through one `SpeculativeEngine` with c slots (continuous
-batching: a finished row takes the next queued request). Plain decoding runs through the same
-engine (`drafter=None`), so prefill, scheduling and host round trips cost the same and
-`ratio_to_plain` compares like with like, measured in the same process minutes apart.
-Each cell runs one untimed warm-up pass over its own requests (it compiles every program the
-timed pass needs; the compiled-program count is checked around every timed pass). An engine
-that adapts across calls (goodput's skip arm: `SpeculativeEngine.learnt`) starts every
-timed pass from what its warm-up learnt, after a second warm-up from that same start: each
-timed pass then replays that second warm-up step for step (its decisions, finishing order
-and prefill shapes), so nothing compiles while timed. Then
-`repeats` rounds time one pass of every method of the (concurrency, domain) in turn, and each
-cell reports its fastest: the methods share every stretch of a machine whose speed drifts.
-
-Occupancy: with FIFO admission and stop-on-finish the scheduler is deterministic, so each
-request's start step follows from the step counts alone (`occupancy`). The simulated total
-must equal the measured loop steps (`occupancy_exact`); it gives the mean running rows and,
-for the adaflash rule, the fraction of steps above its threshold (the rule is off below it).
+batching). Plain decoding runs through the same engine (`drafter=None`), so prefill,
+scheduling and host round trips cost the same and `ratio_to_plain` compares like with like.
+Each cell is warmed up and timed on the harnesses' one timing path (`bench/decode_timing.py`:
+nothing compiles while timed); `repeats` rounds time one pass of every method of the
+(concurrency, domain) in turn and each cell keeps its fastest, so the methods share every
+stretch of a machine whose speed drifts. The methods are `bench/methods.py`'s, a cell's row
+and trace `bench/cell.py`'s (its occupancy replayed by `bench/occupancy.py`), the domain
+"all" rows and the ideal speedup `bench/report.py`'s.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import hashlib
-import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import numpy as np
 
-from adaflash_jax.bench.decode_timing import summarize
+from adaflash_jax.bench.cell import cell_record
+from adaflash_jax.bench.decode_timing import TimedPass, timed_pass, warm_up
+from adaflash_jax.bench.methods import BenchError, Method
+from adaflash_jax.bench.report import add_ideal_speedup, aggregate
 from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.decode.build import build_engine
-from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import (
     DEFAULT_BUCKETS,
     NO_ACCEPT_OUTPUT,
@@ -49,72 +38,15 @@ from adaflash_jax.decode.slots import (
     token_bucket_set,
 )
 from adaflash_jax.decode.state import bucket_set
+from adaflash_jax.distill.shapes import slot_capacity
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 CPU_CONCURRENCY = (1, 4, 16, 64)
 GPU_CONCURRENCY = (1, 32, 64, 128)
-DEFAULT_METHODS = (
-    "plain",
-    "stage1:fixed",
-    "adaflash:fixed",
-    "adaflash:adaflash",
-    "adaflash:goodput",
-)
-POLICIES = ("fixed", "adaflash", "goodput")
-ENGINE_OPTIONS = ("verify",)  # method options for the engine, not the policy
-DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"  # trace encoding: one base-36 digit per step
-
-
-class BenchError(ValueError):
-    """A benchmark setting or input that cannot run (checked before any compute)."""
 
 
 def default_concurrency(backend: str | None = None) -> tuple[int, ...]:
     return CPU_CONCURRENCY if (backend or jax.default_backend()) == "cpu" else GPU_CONCURRENCY
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Method:
-    """`drafter=None` is plain decoding; otherwise a named drafter with a length policy."""
-
-    drafter: str | None = None
-    policy: str | None = None
-    options: tuple[tuple[str, Any], ...] = ()  # policy keyword overrides
-
-    def __post_init__(self):
-        if (self.drafter is None) != (self.policy is None):
-            raise BenchError("a method is plain (no drafter, no policy) or drafter:policy")
-        if self.policy is not None and self.policy not in POLICIES:
-            raise BenchError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
-
-    @property
-    def label(self) -> str:
-        if self.drafter is None:
-            return "plain"
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return f"{self.drafter}/{self.policy}" + (f"({opts})" if opts else "")
-
-
-def parse_method(text: str) -> Method:
-    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3',
-    'adaflash:adaflash:verify=packed' (`ENGINE_OPTIONS` go to the engine); options may also
-    be joined by '+', which a comma-separated method list keeps whole."""
-    parts = text.strip().split(":")
-    if parts == ["plain"]:
-        return Method()
-    if len(parts) not in (2, 3) or not all(parts[:2]):
-        raise BenchError(f"method {text!r}: expected 'plain' or DRAFTER:POLICY[:key=value,...]")
-    options = []
-    for kv in parts[2].replace("+", ",").split(",") if len(parts) == 3 and parts[2] else ():
-        if "=" not in kv:
-            raise BenchError(f"method {text!r}: option {kv!r} is not key=value")
-        key, value = kv.split("=", 1)
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass  # a bare string, e.g. estimator=confidence
-        options.append((key.strip(), value))
-    return Method(drafter=parts[0], policy=parts[1], options=tuple(options))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,37 +87,6 @@ def cell_requests(
         raise BenchError("a domain has no prompts")
     n = max(len(prompts), math.ceil(per_slot * concurrency))
     return [(list(prompts[i % len(prompts)]), max_new) for i in range(n)]
-
-
-def occupancy(steps: Sequence[int], slots: int) -> tuple[np.ndarray, int]:
-    """(start step per request, total loop steps) of FIFO admission into `slots` slots where
-    a freed slot takes the next request before the next step (the engine's scheduler)."""
-    starts = np.zeros(len(steps), np.int64)
-    free_at = [0] * min(slots, len(steps))  # heap of times at which slots become free
-    heapq.heapify(free_at)
-    end = 0
-    for i, n in enumerate(steps):
-        t = heapq.heappop(free_at)
-        starts[i] = t
-        end = max(end, t + int(n))
-        heapq.heappush(free_at, t + int(n))
-    return starts, end
-
-
-def running_per_step(steps: Sequence[int], slots: int) -> np.ndarray:
-    starts, end = occupancy(steps, slots)
-    delta = np.zeros(end + 1, np.int64)
-    np.add.at(delta, starts, 1)
-    np.add.at(delta, starts + np.asarray(steps, np.int64), -1)
-    return np.cumsum(delta)[:end]
-
-
-def encode_trace(values: Sequence[int], offset: int = 0) -> str:
-    return "".join(DIGITS[int(v) - offset] for v in values)
-
-
-def decode_trace(text: str, offset: int = 0) -> list[int]:
-    return [int(ch, 36) + offset for ch in text]
 
 
 @dataclasses.dataclass
@@ -240,7 +141,7 @@ class ThroughputBench:
     def _capacity(self) -> int:
         k = max([1] + [d.config.block_size for d in self.drafters.values()])
         longest = max(len(p) for ps in self.prompts.values() for p in ps)
-        need = 16 * math.ceil((longest + self.settings.max_new_tokens + k) / 16)
+        need = slot_capacity(longest, self.settings.max_new_tokens, k)
         limit = self.target.config.max_position_embeddings
         if need > limit:
             raise BenchError(
@@ -295,17 +196,13 @@ class ThroughputBench:
             kw["threshold"] = self.settings.adaflash_threshold
         if m.policy == "goodput":
             kw["estimator"] = self.settings.goodput_estimator
-        return {**kw, **{k: v for k, v in m.options if k not in ENGINE_OPTIONS}}
-
-    def engine_options(self, m: Method) -> dict:
-        return {k: v for k, v in m.options if k in ENGINE_OPTIONS}
+        return {**kw, **m.policy_options}
 
     def packs(self, name: str) -> bool:
         """Some method of drafter `name` verifies packed (its table needs the packed form)."""
         return any(
-            self.engine_options(m).get("verify") == "packed" for m in self.methods
-            if m.drafter == name
-        )  # fmt: skip
+            m.engine_options.get("verify") == "packed" for m in self.methods if m.drafter == name
+        )
 
     def engine(self, m: Method, concurrency: int) -> SpeculativeEngine:
         key = (m, concurrency)
@@ -322,7 +219,7 @@ class ThroughputBench:
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,
-                **self.engine_options(m),
+                **m.engine_options,
             )
         return self._engines[key]
 
@@ -343,85 +240,28 @@ class ThroughputBench:
         requests = self.requests(concurrency, domain)
         warmup, start = {}, {}
         for m in self.methods:
-            engine = self.engine(m, concurrency)
-            t0 = time.perf_counter()
-            engine.generate(requests)
-            warmup[m] = time.perf_counter() - t0
-            start[m] = engine.learnt
-            if start[m] is not None:  # what the timed passes will replay, compiled
-                engine.generate(requests)
-        best: dict[Method, tuple] = {}
+            warmup[m], start[m] = warm_up(self.engine(m, concurrency), requests)
+        best: dict[Method, TimedPass] = {}
         compiles = dict.fromkeys(self.methods, 0)
         for _ in range(self.settings.repeats):
             for m in self.methods:
-                engine = self.engine(m, concurrency)
-                engine.learnt = start[m]
-                before = compiled_programs()
-                t0 = time.perf_counter()
-                results = engine.generate(requests)
-                wall = time.perf_counter() - t0
-                compiles[m] += sum(compiled_programs().values()) - sum(before.values())
-                if m not in best or wall < best[m][0]:
-                    best[m] = (wall, results, dict(engine.last_run))
+                timed = timed_pass(self.engine(m, concurrency), requests, start[m])
+                compiles[m] += timed.compiles
+                if m not in best or timed.wall_s < best[m].wall_s:
+                    best[m] = timed
         return [
-            self.cell(m, concurrency, domain, *best[m], warmup=warmup[m], compiles=compiles[m])
+            cell_record(
+                m,
+                self.engine(m, concurrency),
+                concurrency,
+                domain,
+                best[m],
+                policy_options=self.policy_kwargs(m) if m.drafter is not None else {},
+                warmup=warmup[m],
+                compiles=compiles[m],
+            )  # fmt: skip
             for m in self.methods
         ]
-
-    def cell(self, m: Method, concurrency, domain, wall, results, run, *, warmup, compiles):
-        """The row (and, for a drafter, the acceptance trace) of one method's fastest pass
-        (`run`: its `engine.last_run`)."""
-        engine = self.engine(m, concurrency)
-        loop_steps = run["loop_steps"]
-        row = summarize(results, wall_s=wall, loop_steps=loop_steps, warmup_s=warmup)
-        steps = [r.steps for r in results]
-        running = running_per_step(steps, concurrency)
-        k = engine.block_size
-        requested = [w for r in results for w in r.requested_widths]
-        row.update(
-            method="plain" if m.drafter is None else m.drafter,
-            policy="none" if m.policy is None else m.policy,
-            label=m.label,
-            concurrency=concurrency,
-            domain=domain,
-            block_size=k,
-            policy_options=self.policy_kwargs(m) if m.drafter is not None else {},
-            committed=sum(a + 1 for r in results for a in r.accepted),
-            mean_running=float(np.mean(running)) if len(running) else 0.0,
-            occupancy_exact=len(running) == loop_steps,
-            cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
-            compiles_in_timed_pass=compiles,
-            probes=run["probes"],
-            # Σ w_b over the verify steps, and the tokens the target ran for them
-            verified_tokens=run.get("verified_tokens", 0),
-            computed_tokens=run.get("computed_tokens", 0),
-            output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
-        )
-        if m.drafter is None:
-            row["draft_fraction"] = 0.0
-        if m.policy == "adaflash":
-            thr = row["policy_options"]["threshold"]
-            row["policy_active_fraction"] = float(np.mean(running > thr)) if len(running) else 0.0
-        if m.drafter is None:
-            return row, None
-        trace = {
-            "label": m.label,
-            "method": row["method"],
-            "policy": row["policy"],
-            "policy_options": row["policy_options"],
-            "concurrency": concurrency,
-            "domain": domain,
-            "block_size": k,
-            "buckets": list(engine.buckets),
-            "loop_steps": loop_steps,
-            "wall_s": wall,
-            "accepted": [encode_trace(r.accepted) for r in results],
-            "requested": [encode_trace(r.requested_widths) for r in results],
-            "requested_offset": 0,  # 0 = an undrafted (plain) step
-        }
-        if m.policy == "goodput":  # the table the policy decided with (measured or given)
-            trace["goodput_cost"] = engine.policy.cost.to_json()
-        return row, trace
 
     # ---- everything -----------------------------------------------------------------------
     def run(self, on_level: Callable[[BenchResult], None] | None = None) -> BenchResult:
@@ -486,80 +326,4 @@ class ThroughputBench:
         }
         return BenchResult(
             rows=rows, traces=list(traces), cost_tables=dict(self.cost_tables), meta=meta
-        )
-
-
-def aggregate(rows: list[dict]) -> list[dict]:
-    """Domain "all" rows per (label, concurrency): Σ tokens / Σ wall, step-weighted τ/width."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["domain"] != "all":
-            groups.setdefault((r["label"], r["concurrency"]), []).append(r)
-    out = []
-    for rs in groups.values():
-        steps = sum(r["verify_steps"] for r in rs)
-        wall = sum(r["wall_s"] for r in rs)
-        agg = {
-            k: rs[0][k]
-            for k in ("method", "policy", "label", "concurrency", "block_size", "policy_options")
-        }
-        agg.update(
-            domain="all",
-            requests=sum(r["requests"] for r in rs),
-            tokens=sum(r["tokens"] for r in rs),
-            wall_s=wall,
-            tokens_per_s=sum(r["tokens"] for r in rs) / wall,
-            verify_steps=steps,
-            loop_steps=sum(r["loop_steps"] for r in rs),
-            committed=sum(r["committed"] for r in rs),
-            tau=sum(r["committed"] for r in rs) / steps if steps else math.nan,
-            mean_verify_width=sum(r["mean_verify_width"] * r["verify_steps"] for r in rs) / steps,
-            mean_requested_width=sum(r["mean_requested_width"] * r["verify_steps"] for r in rs)
-            / steps,
-            mean_running=float(np.mean([r["mean_running"] for r in rs])),
-            cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
-            draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
-            probes=sum(r["probes"] for r in rs),
-            verified_tokens=sum(r["verified_tokens"] for r in rs),
-            computed_tokens=sum(r["computed_tokens"] for r in rs),
-            compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
-            occupancy_exact=all(r["occupancy_exact"] for r in rs),
-            matches_plain=all(r["matches_plain"] for r in rs),
-        )
-        if "policy_active_fraction" in rs[0]:
-            w = [r["loop_steps"] for r in rs]
-            agg["policy_active_fraction"] = float(
-                np.average([r["policy_active_fraction"] for r in rs], weights=w)
-            )
-        out.append(agg)
-    plain = {r["concurrency"]: r for r in out if r["method"] == "plain"}
-    for r in out:
-        r["ratio_to_plain"] = r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"]
-    return out
-
-
-def add_ideal_speedup(rows: list[dict], tables: dict[str, VerifyCostTable]) -> None:
-    """At concurrency 1: ideal speedup τ · t_plain / (t_draft + t_verify(W̄)), with t_plain the
-    measured plain step of the same cell (wall / loop steps, prefill included) and the draft
-    and verify times from the drafter's cost table (W̄ = mean verify width, interpolated);
-    and the measured ratio to plain as a fraction of it. The gap is what the engine spends
-    per step beyond its loop step (prefill, scheduling, host round trips)."""
-    plain = {r["domain"]: r for r in rows if r["method"] == "plain" and r["concurrency"] == 1}
-    for r in rows:
-        table = tables.get(r["method"])
-        if r["concurrency"] != 1 or table is None or r["domain"] not in plain:
-            continue
-        p = plain[r["domain"]]
-        t_plain = 1e3 * p["wall_s"] / max(p["loop_steps"], 1)
-        col = [table.verify(1, w) for w in table.widths]
-        t_verify = float(np.interp(r["mean_verify_width"], table.widths, col))
-        # undrafted steps of a skip_draft policy pay no draft
-        t_draft = r.get("draft_fraction", 1.0) * float(np.interp(1, table.rows, table.draft_ms))
-        ideal = r["tau"] * t_plain / (t_draft + t_verify)
-        r.update(
-            ideal_speedup=ideal,
-            fraction_of_ideal=r["ratio_to_plain"] / ideal,
-            plain_step_ms=t_plain,
-            draft_verify_ms=t_draft + t_verify,
-            step_ms_measured=1e3 * r["wall_s"] / max(r["loop_steps"], 1),
         )

@@ -13,7 +13,7 @@ from flax import nnx
 
 from adaflash_jax.distill import steps
 from adaflash_jax.distill.config import RunConfig
-from adaflash_jax.distill.context import run_drafter_config
+from adaflash_jax.distill.shapes import run_drafter_config
 from adaflash_jax.distill.state import abstract_drafter
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.target import TargetLM

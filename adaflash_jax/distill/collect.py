@@ -34,6 +34,7 @@ from flax import nnx
 from adaflash_jax.distill.anchors import block_targets
 from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.losses import accepted_streak
+from adaflash_jax.distill.shapes import slot_capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +196,7 @@ def engine_collect(
     from adaflash_jax.decode.slots import SpeculativeEngine
 
     k = drafter.config.block_size
-    capacity = max(len(p) for p in prompt_ids) + max_new_tokens + k
-    capacity = -(-capacity // 16) * 16
+    capacity = slot_capacity(max(len(p) for p in prompt_ids), max_new_tokens, k)
     engine = SpeculativeEngine(
         target,
         drafter,

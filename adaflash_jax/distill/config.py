@@ -1,28 +1,19 @@
-"""The distillation run config: one frozen dataclass tree, checked before any compute.
+"""The distillation run config: one frozen dataclass tree, its fields checked as it is built.
 
-A config file (`experiments/configs/<name>.py`) defines `get_config() -> RunConfig`; the CLI
-applies dotted overrides (`stage1.steps=10`) with `override`. `check_static` runs at
-construction (field ranges, names); `check_runtime` runs once the device count and target are
-known but before anything is compiled, and names the offending field in every message.
-
-The memory planner (`adaflash_jax.plan`) reads the flat attributes `mesh`, `batch_size`,
-`seq_len`, `num_anchors`, `block_size`, `drafter_layers`, `target_layer_ids`, `num_features`,
-`target_path` and `target_shape` duck-typed; they are fields or properties here.
+A config file (`experiments/configs/<name>.py`) defines `get_config() -> RunConfig`
+(`distill/config_file.py` loads it, `distill/overrides.py` applies `stage1.steps=10`). Each
+spec's `__post_init__` checks ranges and names; what needs the devices and the target is
+checked by `distill/checks.py`, and what the config implies for shapes by `distill/shapes.py`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
-import math
-import os
-import types
-import typing
 from typing import Any
 
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
-from adaflash_jax.model.config import ConfigError, TargetConfig
+from adaflash_jax.model.config import ConfigError
+from adaflash_jax.train.mesh_shape import check_mesh
 
 # stage1_long: stage 1 run for its steps plus every stage-2 step (the equal-steps baseline)
 METHODS = ("stage1", "adaflash", "sft", "fkl", "stage1_long")
@@ -288,11 +279,7 @@ class RunConfig:
     max_nonfinite_steps: int = 10
 
     def __post_init__(self):
-        object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
-        if len(self.mesh) != 3 or any(m == 0 or m < -1 for m in self.mesh):
-            raise ConfigError(f"mesh must be three sizes (data, fsdp, tensor), got {self.mesh}")
-        if self.mesh.count(-1) > 1:
-            raise ConfigError(f"mesh may have one -1 (fill) axis, got {self.mesh}")
+        object.__setattr__(self, "mesh", check_mesh(self.mesh))
         _positive("run", self, "batch_size", "seq_len", "num_anchors", "log_every")
         _positive("run", self, "loss_chunk", allow_zero=True)
         _positive("run", self, "attention_chunk")
@@ -315,149 +302,3 @@ class RunConfig:
                 f"data.max_prompt_len {self.data.max_prompt_len} leaves no response room "
                 f"in seq_len {self.seq_len}"
             )
-
-    # ---- flat attributes the memory planner reads ----------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.draft.block_size
-
-    @property
-    def drafter_layers(self) -> int:
-        return self.draft.layers
-
-    @property
-    def target_layer_ids(self) -> tuple[int, ...] | None:
-        return self.draft.target_layer_ids
-
-    @property
-    def num_features(self) -> int:
-        return len(self.draft.target_layer_ids or ()) or self.draft.num_features
-
-    @property
-    def collect_slots(self) -> int:
-        return self.stage2.collect_slots
-
-    # ---- checks that need the devices and the target ---------------------------------------
-    def resolve_mesh(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = list(self.mesh)
-        fixed = math.prod(s for s in sizes if s != -1)
-        if -1 in sizes:
-            if num_devices % fixed:
-                raise ConfigError(
-                    f"mesh {self.mesh} does not divide the {num_devices} devices "
-                    f"(the fixed axes use {fixed})"
-                )
-            sizes[sizes.index(-1)] = num_devices // fixed
-        elif fixed != num_devices:
-            raise ConfigError(
-                f"mesh {self.mesh} needs {fixed} devices but {num_devices} are available"
-            )
-        return tuple(sizes)
-
-    def check_runtime(
-        self, *, num_devices: int, target: TargetConfig, mask_token_id: int | None
-    ) -> tuple[int, int, int]:
-        """Fails, naming the field, on anything that would only break mid-run; returns the mesh."""
-        mesh = self.resolve_mesh(num_devices)
-        shards = mesh[0] * mesh[1]
-        if self.batch_size % shards:
-            raise ConfigError(
-                f"batch_size {self.batch_size} is not divisible by data*fsdp = {shards} "
-                f"(mesh {mesh})"
-            )
-        if self.stage2.collect_slots % mesh[0] and self.stage2.rounds:
-            raise ConfigError(
-                f"stage2.collect_slots {self.stage2.collect_slots} is not divisible by the "
-                f"data axis {mesh[0]}"
-            )
-        if mask_token_id is None:
-            raise ConfigError(
-                "draft.mask_token_id is not set and the target's tokenizer declares no mask "
-                "token: set draft.mask_token_id to a spare row of the embedding table"
-            )
-        if not 0 <= mask_token_id < target.vocab_size:
-            raise ConfigError(
-                f"draft.mask_token_id {mask_token_id} is outside the target vocab "
-                f"(size {target.vocab_size})"
-            )
-        for i in self.draft.target_layer_ids or ():
-            if not 0 <= i < target.num_hidden_layers:
-                raise ConfigError(
-                    f"draft.target_layer_ids has {i}, but the target has "
-                    f"{target.num_hidden_layers} layers"
-                )
-        if self.seq_len > target.max_position_embeddings:
-            raise ConfigError(
-                f"seq_len {self.seq_len} exceeds the target's max_position_embeddings "
-                f"{target.max_position_embeddings}"
-            )
-        return mesh
-
-
-# ---- overrides -------------------------------------------------------------------------------
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Parses a command-line string into the field's type."""
-    if not isinstance(value, str):
-        return value
-    hint = annotation if not isinstance(annotation, str) else None
-    if hint is str or (isinstance(hint, types.UnionType) and str in typing.get_args(hint)):
-        try:  # a quoted string or None; anything else is taken verbatim
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            return value
-        return parsed if isinstance(parsed, str) or parsed is None else value
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise ConfigError(f"{where}: cannot parse {value!r}") from None
-    if hint is float and isinstance(parsed, int):
-        parsed = float(parsed)
-    if isinstance(parsed, list):
-        parsed = tuple(parsed)
-    return parsed
-
-
-def override(cfg: RunConfig, assignments: dict[str, Any]) -> RunConfig:
-    """Applies {"stage1.steps": "10", "mesh": (1, 8, 1), ...}; unknown names fail."""
-    for dotted, value in assignments.items():
-        cfg = _set(cfg, dotted.split("."), value, dotted)
-    return cfg
-
-
-def _set(obj: Any, path: list[str], value: Any, dotted: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    head = path[0]
-    if head not in fields:
-        raise ConfigError(f"unknown config field {dotted!r} ({head!r} not in {sorted(fields)})")
-    if len(path) == 1:
-        hints = typing.get_type_hints(type(obj))
-        return dataclasses.replace(obj, **{head: _coerce(value, hints.get(head), dotted)})
-    child = getattr(obj, head)
-    if not dataclasses.is_dataclass(child):
-        raise ConfigError(f"config field {'.'.join(path[:1])!r} has no sub-fields ({dotted})")
-    return dataclasses.replace(obj, **{head: _set(child, path[1:], value, dotted)})
-
-
-def load_config_file(path: str | os.PathLike) -> Any:
-    """The config object a config file defines: its `get_config()`, else its `CONFIG` (or
-    `config`) attribute. The one loader (the memory planner reads any such object)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file does not exist: {path}")
-    spec = importlib.util.spec_from_file_location(f"_run_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if hasattr(module, "get_config"):
-        return module.get_config()
-    for name in ("CONFIG", "config"):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise ConfigError(f"{path} defines neither get_config() nor CONFIG")
-
-
-def load_config(path: str | os.PathLike) -> RunConfig:
-    """The `RunConfig` of a config file."""
-    cfg = load_config_file(path)
-    if not isinstance(cfg, RunConfig):
-        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not RunConfig")
-    return cfg

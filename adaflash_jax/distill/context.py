@@ -18,9 +18,11 @@ import jax
 from jax.sharding import Mesh
 
 from adaflash_jax.distill import prompts as P
+from adaflash_jax.distill.checks import check_runtime
 from adaflash_jax.distill.config import RunConfig
-from adaflash_jax.drafter.checkpoint import config_from_hf
+from adaflash_jax.distill.shapes import run_drafter_config, run_mesh
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.hf_config import config_from_hf
 from adaflash_jax.drafter.init import find_mask_token_id
 from adaflash_jax.io import fs
 from adaflash_jax.model.config import ConfigError, TargetConfig
@@ -71,23 +73,6 @@ def _target_dir(cfg: RunConfig, progress: bool) -> str:
     from adaflash_jax.embedded import default_target_dir
 
     return default_target_dir(cfg.embedded_preset, progress=progress)
-
-
-def run_drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int | None = None):
-    """The fresh drafter a run trains (`draft.*` fields; DFlash shape of the target)."""
-    d = cfg.draft
-    return DrafterConfig.for_target(
-        target,
-        mask_token_id=d.mask_token_id if mask_token_id is None else mask_token_id,
-        num_layers=d.layers,
-        block_size=d.block_size,
-        num_features=d.num_features,
-        target_layer_ids=d.target_layer_ids,
-        length_head=True,
-        accept_dim=d.accept_dim,
-        heads=d.heads,
-        intermediate_size=d.intermediate_size,
-    )
 
 
 def _drafter_config(cfg: RunConfig, target: TargetConfig, mask_token_id: int) -> DrafterConfig:
@@ -186,7 +171,7 @@ def _stage2_prompts(cfg: RunConfig, train: list[P.Prompt], skipped: dict) -> lis
 
 def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> Context:
     """`progress` here covers building the embedded target; `Context.progress` the rest."""
-    mesh_shape = cfg.resolve_mesh(jax.device_count())  # before anything is built
+    mesh_shape = run_mesh(cfg, jax.device_count())  # before anything is built
     if cfg.draft.init_from is not None and not os.path.isdir(cfg.draft.init_from):
         raise ConfigError(f"draft.init_from {cfg.draft.init_from} is not a directory")
     target_dir = _target_dir(cfg, progress)
@@ -205,8 +190,8 @@ def prepare(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True
         with open(os.path.join(cfg.draft.init_from, "config.json")) as f:
             raw = json.load(f)
         mask = (raw.get("dflash_config") or {}).get("mask_token_id", mask)
-    mesh_shape = cfg.check_runtime(
-        num_devices=jax.device_count(), target=target_cfg, mask_token_id=mask
+    mesh_shape = check_runtime(
+        cfg, num_devices=jax.device_count(), target=target_cfg, mask_token_id=mask
     )
     drafter_cfg = _drafter_config(cfg, target_cfg, mask)
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()

@@ -23,8 +23,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from adaflash_jax.distill.state import abstract_drafter
-from adaflash_jax.drafter.checkpoint import config_from_hf, config_to_hf, load_drafter
+from adaflash_jax.drafter.checkpoint import load_drafter
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.hf_config import config_from_hf, config_to_hf
 from adaflash_jax.drafter.stacks import last_layer_warning, save_for_stack
 from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile

@@ -5,7 +5,6 @@ from adaflash_jax.plan.inputs import (
     TARGET_PRESETS,
     PlanInputs,
     inputs_from_config,
-    load_config_file,
     target_preset,
 )
 from adaflash_jax.plan.memory_estimate import GIB, MemoryPlan, estimate, format_plan
@@ -23,7 +22,6 @@ __all__ = [
     "format_advice",
     "format_plan",
     "inputs_from_config",
-    "load_config_file",
     "suggest",
     "target_params",
     "target_preset",

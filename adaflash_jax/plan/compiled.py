@@ -21,7 +21,11 @@ from adaflash_jax.aot.abstract import per_chip_bytes
 from adaflash_jax.aot.report import Figures, compile_program
 from adaflash_jax.aot.topology import Slice, parse_slice, slice_devices
 from adaflash_jax.aot.train_programs import train_programs
-from adaflash_jax.distill.config import RunConfig, load_config, override
+from adaflash_jax.distill.checks import check_runtime
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.config_file import load_config
+from adaflash_jax.distill.overrides import override
+from adaflash_jax.distill.shapes import run_drafter, run_target
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.plan.memory_estimate import MemoryPlan
 
@@ -99,12 +103,14 @@ def compile_request(args, knobs) -> CompileRequest:
 
 
 def compile_phases(cfg: RunConfig, sl: Slice) -> CompiledPhases:
-    from adaflash_jax.aot.abstract import run_drafter, run_target
     from adaflash_jax.train.mesh import make_mesh
 
     target = run_target(cfg)
-    shape = cfg.check_runtime(
-        num_devices=sl.chips, target=target, mask_token_id=run_drafter(cfg, target).mask_token_id
+    shape = check_runtime(
+        cfg,
+        num_devices=sl.chips,
+        target=target,
+        mask_token_id=run_drafter(cfg, target).mask_token_id,
     )
     mesh = make_mesh(*shape, devices=slice_devices(sl))
     (stage2,) = train_programs(cfg, mesh, kinds=("stage2",))

@@ -1,10 +1,11 @@
-"""What the memory planner reads: a run's shapes, mesh and knobs, from presets or a run config.
+"""What the memory planner reads: a run's shapes, mesh and knobs, from presets or a config.
 
-A run config (`experiments/configs/<name>.py`) is read duck-typed, so the planner needs no
-import of the training code. The fields it looks for (all optional except as noted):
+A `RunConfig` is read as the run reads it: its target, drafter, mesh and slot capacity come
+from `distill/shapes.py`. Any other object (the plan CLI's defaults, a test's namespace) is read
+by attribute; the fields it may carry (all optional except as noted):
 
-- target: a `TargetConfig`; or `target_shape` (a preset name below); or `target_path` (an HF
-  directory with config.json). One of the three is required.
+- target: a `TargetConfig`, a preset name or an HF directory; or `target_shape` (a preset
+  name); or `target_path` (an HF directory with config.json). One of them is required.
 - mesh: `(data, fsdp, tensor)`, a dict or an object with those attributes; one entry may be
   -1 (filled from the device count).
 - batch_size (global sequences per train step), seq_len, num_anchors, block_size.
@@ -25,12 +26,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from adaflash_jax.distill.config import load_config_file  # noqa: F401 - the one loader
+from adaflash_jax.distill.config import RunConfig
+from adaflash_jax.distill.shapes import engine_capacity, run_drafter, run_target, target_shape
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.presets import PRESETS as TARGET_PRESETS  # noqa: F401 - re-exported
-from adaflash_jax.model.presets import target_preset
+from adaflash_jax.model.presets import target_preset  # noqa: F401 - re-exported
 from adaflash_jax.plan.params import MESH_AXES, DrafterShape
+from adaflash_jax.train.mesh_shape import fill_mesh
 
 # A run config's training attention as the planner models it: the block-sparse path never
 # holds the dense [N·K, S + N·K] scores, which is what "fused" leaves out.
@@ -129,66 +132,63 @@ def resolve_mesh(mesh: Any, devices: int | None) -> tuple[int, int, int]:
         sizes = [getattr(mesh, a, 1) for a in MESH_AXES]
     else:
         sizes = list(mesh)
-    if len(sizes) != 3:
-        raise ConfigError(f"mesh must have 3 axes (data, fsdp, tensor), got {mesh!r}")
-    sizes = [int(s) for s in sizes]
-    if sizes.count(-1) > 1:
-        raise ConfigError(f"at most one mesh axis may be -1: {mesh!r}")
-    if -1 in sizes:
-        if devices is None:
-            raise ConfigError(f"mesh {mesh!r} has a -1 axis: pass the device count")
-        rest = math.prod(s for s in sizes if s != -1)
-        if devices % rest:
-            raise ConfigError(f"{devices} devices do not divide into mesh {mesh!r}")
-        sizes[sizes.index(-1)] = devices // rest
-    if devices is not None and math.prod(sizes) != devices:
-        raise ConfigError(
-            f"mesh {tuple(sizes)} uses {math.prod(sizes)} devices, but {devices} were given"
-        )
-    return tuple(sizes)
+    return fill_mesh(sizes, devices)
 
 
 def target_from(cfg: Any) -> TargetConfig:
-    """The target shape a config names through `target`, `target_shape` or `target_path`."""
+    """The target shape a config names: a `RunConfig` as the run reads it; any other object
+    through `target`, `target_shape` or `target_path` (see the module docstring)."""
+    if isinstance(cfg, RunConfig):
+        return run_target(cfg)
     target = getattr(cfg, "target", None)
     if isinstance(target, TargetConfig):
         return target
     if isinstance(target, str):
-        return target_preset(target) if target.lower() in TARGET_PRESETS else _from_dir(target)
-    if getattr(cfg, "target_shape", None):
-        return target_preset(cfg.target_shape)
-    if getattr(cfg, "target_path", None):
-        return _from_dir(cfg.target_path)
-    if getattr(cfg, "embedded_preset", None):
-        return _embedded(cfg.embedded_preset)
-    raise ConfigError("the config names no target: set target, target_shape or target_path")
+        if target.lower() in TARGET_PRESETS:
+            return target_shape(shape=target)
+        return target_shape(path=target)
+    return target_shape(
+        shape=getattr(cfg, "target_shape", None),
+        path=getattr(cfg, "target_path", None),
+        embedded=getattr(cfg, "embedded_preset", None),
+    )
 
 
-def _embedded(preset: str) -> TargetConfig:
-    """The architecture of an embedded target (`RunConfig.embedded_preset`) without building
-    it: its vocabulary is the preset's BPE size (special tokens included)."""
-    from adaflash_jax.train.presets import get_preset
+def _run_knobs(cfg: RunConfig, target: TargetConfig) -> dict[str, Any]:
+    """A run config's fields under the planner's flat names; its drafter is the one the run
+    trains (`distill.shapes.run_drafter`: heads, MLP width and length head included)."""
+    d = cfg.draft
+    return dict(
+        drafter=run_drafter(cfg, target),
+        mesh=cfg.mesh,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        num_anchors=cfg.num_anchors,
+        block_size=d.block_size,
+        drafter_layers=d.layers,
+        target_layer_ids=d.target_layer_ids,
+        num_features=len(d.target_layer_ids or ()) or d.num_features,
+        train_attention=cfg.train_attention,
+        loss_chunk=cfg.loss_chunk,
+        collect_slots=cfg.stage2.collect_slots,
+        collect_capacity=engine_capacity(cfg),
+        collect_prompt_len=cfg.data.max_prompt_len,
+        compute_dtype=cfg.compute_dtype,
+    )
 
-    try:
-        p = get_preset(preset)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return p.target_config(p.vocab_size, None)
 
-
-def _from_dir(path: str) -> TargetConfig:
-    if str(path).startswith("gs://"):
-        raise ConfigError(
-            f"target {path} is on GCS: the planner needs its shape; set target_shape too"
-        )
-    return TargetConfig.from_pretrained(path)
+def _knob(cfg: Any, knobs: dict[str, Any] | None, name: str, default: Any = None) -> Any:
+    if knobs is not None:
+        return knobs.get(name, default)
+    return getattr(cfg, name, default)
 
 
 def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> PlanInputs:
     """PlanInputs from a run-config object (see module docstring); `overrides` win."""
-    get = lambda name, default=None: overrides.get(name, getattr(cfg, name, default))  # noqa: E731
     target = overrides.get("target") or target_from(cfg)
-    dcfg = getattr(cfg, "drafter", None)
+    knobs = _run_knobs(cfg, target) if isinstance(cfg, RunConfig) else None
+    get = lambda name, default=None: overrides.get(name, _knob(cfg, knobs, name, default))  # noqa: E731
+    dcfg = _knob(cfg, knobs, "drafter")
     if dcfg is not None and hasattr(dcfg, "target_layer_ids"):
         head = getattr(dcfg, "length_head", None)
         drafter = DrafterShape(
@@ -220,10 +220,12 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         drafter = dataclasses.replace(drafter, num_layers=overrides["drafter_layers"])
     if "block_size" in overrides:
         drafter = dataclasses.replace(drafter, block_size=overrides["block_size"])
+    if "num_features" in overrides:
+        drafter = dataclasses.replace(drafter, num_features=overrides["num_features"])
     remat = get("remat", False)
     if isinstance(remat, str):
         remat = remat.lower() not in ("", "none", "off", "false")
-    mesh = overrides.get("mesh") or getattr(cfg, "mesh", None)
+    mesh = overrides.get("mesh") or _knob(cfg, knobs, "mesh")
     if mesh is None:
         raise ConfigError("the config has no mesh; pass one as (data, fsdp, tensor)")
     return PlanInputs(
@@ -238,22 +240,8 @@ def inputs_from_config(cfg: Any, *, devices: int | None = None, **overrides) -> 
         attention=get("attention", _ATTENTION.get(get("train_attention"), "naive")),
         logits_chunk=get("logits_chunk", get("loss_chunk") or None),
         collect_slots=get("collect_slots"),
-        collect_capacity=get("collect_capacity", engine_capacity(cfg)),
-        collect_prompt_len=get("collect_prompt_len", _prompt_len(cfg)),
+        collect_capacity=get("collect_capacity"),
+        collect_prompt_len=get("collect_prompt_len"),
         target_rules=get("target_rules", "train"),
         compute_bytes={"float32": 4, "bfloat16": 2}.get(str(get("compute_dtype", "bfloat16")), 2),
     )
-
-
-def engine_capacity(cfg: Any) -> int | None:
-    """A run config's collection cache (`distill.collect.engine_collect`: longest prompt + new
-    tokens + one block, rounded up to 16); None without a `data` section."""
-    data, draft = getattr(cfg, "data", None), getattr(cfg, "draft", None)
-    if data is None or draft is None:
-        return None
-    return -(-(data.max_prompt_len + data.max_new_tokens + draft.block_size) // 16) * 16
-
-
-def _prompt_len(cfg: Any) -> int | None:
-    data = getattr(cfg, "data", None)
-    return None if data is None else data.max_prompt_len

@@ -1,47 +1,7 @@
 """Per-device HBM estimate of an AdaFlash distillation run: one train step and one on-policy
 collection phase, which alternate in one SPMD program and so never hold their temporaries
-at the same time.
-
-Dimensions: B sequences per batch shard (batch_size / (data*fsdp)), S sequence length,
-N anchors per sequence (Nc of them with live logits), K block size, Q = N*K drafter block
-tokens, D width, F MLP width (F_t = F/t when the tensor axis t divides it), H/Kv query/kv
-heads (H_t, Kv_t likewise), Dh head dim, V vocab (V_t), L target layers, Ld drafter layers,
-n feature layers, R collection rows per device (slots / (data·fsdp) when that divides, else
-all: `PlanInputs.collect_shards`), C cache capacity, P prompt length, a bytes per activation
-(bf16: 2).
-
-Formulas, per device (`estimate` computes exactly these):
-  persistent  target params   Σ shard(w) * a            (compute dtype, as load_target; rules:
-                                                         TRAIN_RULES or DECODE_RULES)
-              drafter params  Σ shard(w) * 4            (fp32 master, TRAIN_RULES)
-              drafter grads   Σ shard(w) * 4
-              AdamW moments   Σ shard(w) * 8            (mu and nu, fp32)
-  train       gathered        2 * one target layer's weights all-gathered over fsdp (if fsdp > 1)
-              LM head         D*V_t*a, gathered over fsdp (if fsdp > 1)
-              target layer    B*S*a*(3D + (2H_t+2Kv_t)Dh + 3F_t) + B*S*S (mask)
-                              + B*H_t*S*S*(4 + a)               (scores fp32 + probs: the
-                                                                 target's attention is dense)
-              target outputs  B*S*(n+1)*D*a                     (features + final hidden)
-              logits          4 * B*Nc*(K-1)*V_t*4              (teacher log-probs; student
-                                                                 logits, probs, grad; fp32)
-              drafter acts    per layer B*Q*a*(4D + 2H_t*Dh + 2Kv_t*Dh + 3F_t) + B*S*a*2Kv_t*Dh,
-                              times Ld (or, with remat, Ld*B*Q*D*a + one layer)
-                              + B*S*2D*a (fused context) + B*Q*D*a (block embeddings)
-              drafter attn    naive: Ld (remat: 1) * B*H_t*Q*(S+Q)*(4 + a) + mask B*Q*(S+Q)
-  collect     target KV cache La*2*R*C*Kv_t*Dh*a               (La attention layers: all L
-                                                                 but a hybrid's Gated DeltaNets)
-              recurrent state Ll*R*(J*Dk*Dv + (A-1)*X)*4        (Ll DeltaNet layers, fp32,
-                                                                 docs/design.md §2.1)
-              drafter cache   Ld*2*R*C*Kv_t*Dh*a                (context K/V of every layer)
-              gathered        as in train, and the LM head
-              step temps      max(prefill, verify), where
-                              prefill = R*P*a*(3D + (2H_t+2Kv_t)Dh + 3F_t + n*D)
-                                        + R*H_t*P*C*(4 + a)   (dense)
-                                        + fresh caches (La + Ld)*2*R*C*Kv_t*Dh*a + fresh states
-                              verify  = 2*R*K*V_t*4 + R*H_t*K*C*(4 + a)
-                                        + Ll*R*K*(X + J*(Dk + Dv + 2))*4   (the recurrence's
-                                          inputs per token, docs/design.md §5.2)
-peak = persistent + max(train, collect); it fits when peak <= HBM * (1 - headroom).
+at the same time. `estimate` computes exactly the formulas of docs/design.md §7c; peak =
+persistent + max(train, collect), and a plan fits when peak <= HBM · (1 − headroom).
 """
 
 from __future__ import annotations

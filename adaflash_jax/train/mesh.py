@@ -14,38 +14,15 @@ import os
 import jax
 from jax.sharding import Mesh
 
-AXES = ("data", "fsdp", "tensor")
+from adaflash_jax.train.mesh_shape import AXES, fill_mesh
+
 log = logging.getLogger(__name__)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all). One axis may be -1 (fill)."""
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for name, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ValueError(f"mesh axis {name}={size} must be a positive size or -1 (fill)")
-    fill = [name for name, size in sizes.items() if size == -1]
-    if len(fill) > 1:
-        raise ValueError(f"only one mesh axis may be -1 (fill), got {fill}")
-    fixed = 1
-    for size in sizes.values():
-        fixed *= size if size > 0 else 1
-    if fill:
-        if n % fixed:
-            named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 0)
-            raise ValueError(
-                f"{n} devices cannot be split with {named}: their product {fixed} does not "
-                f"divide the device count, so mesh axis {fill[0]!r} cannot be filled"
-            )
-        sizes[fill[0]] = n // fixed
-    elif fixed != n:
-        raise ValueError(
-            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {fixed} devices, but "
-            f"{n} devices are available; change one of data/fsdp/tensor (or set one to -1)"
-        )
-    shape = tuple(sizes[a] for a in AXES)
+    shape = fill_mesh((data, fsdp, tensor), len(devices))
     return jax.make_mesh(
         shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices
     )

@@ -11,14 +11,13 @@ sequence (losses.py), so a position's KL is capped at τ·Nw/T² nats and the ca
 anchors per sequence, not on the batch. The reference (512 anchors, K = 16) has Nw ≈ 3,400
 and, at τ = 0.01, a cap of 34 nats (about 12 for a short response): an outlier clip. Here a
 sequence has at most 8 blocks of Σw = 3.74, Nw ≈ 30, so τ = 0.01 would cap every position's
-KL at 0.3 nats. τ = 1.0 gives the reference's regime, a cap of 30 nats for a full sequence.
-Measured at τ = 0.1 (cap 2.8 nats): 25 % of positions clipped, the KL term mostly silenced.
+KL at 0.3 nats. τ = 1.0 gives the reference's regime, a cap of 30 nats for a full sequence
+(BENCHMARKS.md §11 has what a smaller τ clipped).
 
 Length-head init: the reference's optimizer and anchors (AdamW β (0.9, 0.999), decay 0.01
 on every parameter, 64 anchors over the whole sequence) but lr 1e-3 instead of 5e-5: 40 steps
-are not the reference's two epochs over a large dataset. Measured (one seed, same stage-1
-drafter, head MSE of the last logged batch): 0.085 at the first step, 0.040 after 40 steps at
-lr 1e-3, 0.054 at lr 5e-5. `--set head_init.lr=5e-5` restores the reference value.
+are not the reference's two epochs over a large dataset (BENCHMARKS.md §11 has the head
+losses of both). `--set head_init.lr=5e-5` restores the reference value.
 """
 
 from adaflash_jax.distill.config import (
