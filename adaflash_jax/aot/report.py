@@ -31,9 +31,10 @@ bytes and XLA's estimated step time. Every figure is a COMPILER ESTIMATE, not a 
   S(1); on v5e in slices joined by `ConcatBitcast`), and the cost analysis counts those
   copies' reads and writes as bytes accessed on top of the read that consumes the weight from
   VMEM: it knows no memory spaces and prices every byte at HBM bandwidth (a bare chain of
-  `jnp.dot`s shows it: experiments/tpu_matmul_chain.py). Without MSA each operand is counted once,
-  read where it lives (HBM): the HBM traffic the prefetching program also pays, since a
-  prefetch reads each weight from HBM once. The compiled program itself is unchanged.
+  `jnp.dot`s shows it: experiments/tpu_matmul_chain.py). Without MSA each operand is counted
+  once, read where it lives (HBM): the HBM traffic the prefetching program also pays, since a
+  prefetch reads each weight from HBM once. The first compile, whose figures every other
+  field reports, is the same as without `no_msa`.
 """
 
 from __future__ import annotations
