@@ -4,12 +4,16 @@ compiler's estimates (FLOPs, step time, MFU, decode step against the weight-read
   python -m experiments.tpu_compile --config experiments/configs/qwen3_8b_v5p.py --topology v5p-64
   python -m experiments.tpu_compile --config C --topology v5e-8 --serve --cost-table T.json
   python -m experiments.tpu_compile --config C --topology v5p-8 --serve --dense-twin  # hybrid C
+  python -m experiments.tpu_compile --config C --topology v5e-8 --serve --rows 1 --no-msa
 
 Needs libtpu: `pip install "jax[tpu]==<jax version>"` (the test extras install it). --serve
 compiles decoding with tensor-parallel weights over the whole slice instead of the run's
 programs; --dense-twin replaces a hybrid target by its twin with every layer full attention
-(what the recurrent state's rollback is measured against). Exit 0: everything fits; 1: a
-program does not fit (or the compiler refused it); 2: bad input.
+(what the recurrent state's rollback is measured against); --no-msa also compiles each
+decode program with XLA's memory-space assignment off and reports that estimate beside the
+default one: XLA's cost analysis counts the copies that prefetch weights into on-chip VMEM
+as bytes accessed on top of the read that consumes them (aot/report.py). Exit 0: everything
+fits; 1: a program does not fit (or the compiler refused it); 2: bad input.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="a hybrid target's dense twin: every layer full attention (rollback's baseline)",
     )
+    p.add_argument(
+        "--no-msa",
+        action="store_true",
+        help="decode programs: also XLA's estimate with memory-space assignment off (no VMEM "
+        "prefetch copies counted; twice the compile time)",
+    )
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--cost-table", help="--serve: write the verify-cost table (goodput format)")
     args = p.parse_args(argv)
@@ -73,12 +83,12 @@ def main(argv=None) -> int:
         if args.serve:
             figs, data = session.compile_serve(
                 cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
-                overrides=sets, twin=args.dense_twin, fills=args.fills,
+                overrides=sets, twin=args.dense_twin, fills=args.fills, no_msa=args.no_msa,
             )  # fmt: skip
         else:
             figs, data = session.compile_run(
                 cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths,
-                overrides=sets, twin=args.dense_twin,
+                overrides=sets, twin=args.dense_twin, no_msa=args.no_msa,
             )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

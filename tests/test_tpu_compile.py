@@ -13,6 +13,7 @@ from adaflash_jax.aot import chips, flops
 from adaflash_jax.aot import programs as P
 from adaflash_jax.aot.abstract import per_chip_bytes
 from adaflash_jax.aot.report import Figures, compile_program
+from adaflash_jax.aot.report import table as table_text
 from adaflash_jax.aot.topology import parse_slice, slice_devices
 from adaflash_jax.aot.train_programs import train_programs
 from adaflash_jax.distill.config_file import load_config
@@ -150,6 +151,23 @@ def test_cost_table_follows_the_engine_step_calibration():
     assert table.fills == (1, 2, 3)
     assert table.packed_ms[0] == pytest.approx((2.0, 2.6 - 0.7, 2.7 - 0.7))
     assert "compiler estimate" in table.device
+
+
+def test_decode_estimate_without_msa():
+    """`no_msa`: the same program also compiled without memory-space assignment, whose VMEM
+    prefetch copies XLA's cost analysis counts as bytes accessed: never more bytes than with
+    it, and every operand of two chained dots counted once (experiments/tpu_matmul_chain.py)."""
+    from experiments.tpu_matmul_chain import programs
+
+    s = parse_slice("v5p-8")
+    mesh = make_mesh(1, 1, s.chips, devices=slice_devices(s))
+    two = programs(mesh, 512, 2048, s.chips, layers=1)[1]
+    f = compile_program(two, s.chip, s.chips, no_msa=True)
+    assert f.compiled and f.no_msa_seconds > 0 and f.no_msa_vs_floor > 0
+    assert f.weight_bytes <= f.no_msa_bytes_accessed <= min(1.1 * f.weight_bytes, f.bytes_accessed)
+    assert "no MSA" in table_text([f], s.chip) and f.to_json()["no_msa_over_floor"] > 0
+    plain = compile_program(two, s.chip, s.chips)  # not asked: no second compile
+    assert plain.no_msa_seconds == 0 and "no MSA" not in table_text([plain], s.chip)
 
 
 def _cli(*args):

@@ -22,6 +22,16 @@ bytes and XLA's estimated step time. Every figure is a COMPILER ESTIMATE, not a 
   chip bf16 peak), and tokens/s/chip = tokens per step / (estimated time × chips).
 - decode programs: the estimated time against the weight-read floor = weight bytes per chip /
   chip HBM bandwidth.
+- decode programs, on request (`no_msa`): the same lowered program compiled a second time with
+  XLA's memory-space assignment off (`xla_msa_enable=false`). With it on, XLA prefetches
+  weights from HBM into the chip's on-chip VMEM (`copy-start`/`copy-done` into memory space
+  S(1); on v5e in slices joined by `ConcatBitcast`), and the cost analysis counts those
+  copies' reads and writes as bytes accessed on top of the read that consumes the weight from
+  VMEM: it knows no memory spaces and prices every byte at HBM bandwidth (a bare chain of
+  `jnp.dot`s shows it: experiments/tpu_matmul_chain.py). Without MSA each operand is counted
+  once, read where it lives (HBM): the HBM traffic the prefetching program also pays, since a
+  prefetch reads each weight from HBM once. The first compile, whose figures every other
+  field reports, is the same as without `no_msa`.
 """
 
 from __future__ import annotations
@@ -59,6 +69,8 @@ class Figures:
     xla_optimal_seconds: float = 0.0  # as cost_analysis() reported it
     concat_bitcasts: int = 0  # ConcatBitcast custom calls in the compiled program
     triangular_inversions: int = 0  # InvertDiagBlocksLowerTriangular custom calls (ditto)
+    no_msa_bytes_accessed: float = 0.0  # per chip, compiled without memory-space assignment
+    no_msa_seconds: float = 0.0  # its estimate (the same custom-call correction); 0: not asked
     loop_flops: float = 0.0  # per chip: loop iterations the cost analysis left out (added)
     useful_flops: float = 0.0  # per chip (train)
     tokens: int = 0  # per step, whole slice (train)
@@ -100,9 +112,16 @@ class Figures:
             return None
         return self.optimal_seconds / self.floor_seconds
 
+    @property
+    def no_msa_vs_floor(self) -> float | None:
+        if self.kind != "decode" or not self.floor_seconds or not self.no_msa_seconds:
+            return None
+        return self.no_msa_seconds / self.floor_seconds
+
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(
+            no_msa_over_floor=self.no_msa_vs_floor,
             total_bytes=self.total_bytes,
             fits=self.fits,
             headroom=self.headroom if self.compiled else None,
@@ -113,8 +132,27 @@ class Figures:
         return out
 
 
-def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
-    """Lowers and compiles `p`; a refusal (e.g. HBM exceeded) is recorded, not raised."""
+NO_MSA = {"xla_msa_enable": False}  # libtpu's switch for memory-space assignment
+
+
+def _estimate(compiled, loop_flops: float, peak: float):
+    """(cost dict, XLA's optimal_seconds, ConcatBitcasts, triangular inversions, the corrected
+    estimate) of one compiled program."""
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per device program
+        cost = cost[0] if cost else {}
+    raw = float(cost.get("optimal_seconds", 0.0))
+    text = compiled.as_text() if raw < 0 else ""
+    concats = text.count('custom_call_target="ConcatBitcast"')
+    inversions = text.count('custom_call_target="InvertDiagBlocksLowerTriangular"')
+    est = raw + concats + inversions
+    est = est + loop_flops / peak if est >= 0 else float("nan")
+    return cost, raw, concats, inversions, est
+
+
+def compile_program(p: Program, chip: Chip, chips: int, *, no_msa: bool = False) -> Figures:
+    """Lowers and compiles `p`; a refusal (e.g. HBM exceeded) is recorded, not raised.
+    `no_msa` (decode programs): also the estimate without memory-space assignment."""
     base = dict(
         program=p.name,
         kind=p.kind,
@@ -132,7 +170,8 @@ def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
     )
     t0 = time.perf_counter()
     try:
-        compiled = p.lower().compile()
+        lowered = p.lower()
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 — XlaRuntimeError; the message is the finding
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return Figures(
@@ -140,14 +179,21 @@ def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
         )
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older jax: one dict per device program
-        cost = cost[0] if cost else {}
-    raw = float(cost.get("optimal_seconds", 0.0))
-    text = compiled.as_text() if raw < 0 else ""
-    concats = text.count('custom_call_target="ConcatBitcast"')
-    inversions = text.count('custom_call_target="InvertDiagBlocksLowerTriangular"')
-    est = raw + concats + inversions + base["loop_flops"] / chip.bf16_peak
+    cost, raw, concats, inversions, est = _estimate(compiled, base["loop_flops"], chip.bf16_peak)
+    extra = {}
+    if no_msa and p.kind == "decode":
+        try:
+            plain = lowered.compile(compiler_options=NO_MSA)
+        except Exception as e:  # noqa: BLE001 — e.g. a libtpu without that option
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            base["notes"] = (*p.notes, f"no-MSA compile refused: {first[:200]}")
+        else:
+            cost2, *_, est2 = _estimate(plain, base["loop_flops"], chip.bf16_peak)
+            extra = dict(
+                no_msa_bytes_accessed=float(cost2.get("bytes accessed", 0.0)),
+                no_msa_seconds=est2,
+            )
+        seconds = time.perf_counter() - t0
     return Figures(
         compiled=True,
         compile_s=seconds,
@@ -158,10 +204,11 @@ def compile_program(p: Program, chip: Chip, chips: int) -> Figures:
         generated_code_bytes=int(mem.generated_code_size_in_bytes),
         flops=float(cost.get("flops", 0.0)) + base["loop_flops"],
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        optimal_seconds=est if raw + concats + inversions >= 0 else float("nan"),
+        optimal_seconds=est,
         xla_optimal_seconds=raw,
         concat_bitcasts=concats,
         triangular_inversions=inversions,
+        **extra,
         **base,
     )
 
@@ -171,16 +218,22 @@ def _gib(n: float) -> str:
 
 
 def table(figs: list[Figures], chip: Chip) -> str:
-    """Markdown table, one row per program (every figure a compiler estimate)."""
+    """Markdown table, one row per program (every figure a compiler estimate); a last column
+    with the estimates without memory-space assignment when any program has them."""
+    no_msa = any(f.no_msa_seconds for f in figs)
     head = (
         "| program | args | outputs | aliased | temps | code | total GiB/chip | "
         f"fits {chip.hbm_gib:g} GiB (headroom) | TFLOP/chip | GB accessed/chip | est. ms | "
         "MFU / est. vs floor | tokens/s/chip |"
     )
-    rows = [head, "|---" * 13 + "|"]
+    cols = 13
+    if no_msa:
+        head += " no MSA: GB accessed/chip, est. ms, vs floor |"
+        cols += 1
+    rows = [head, "|---" * cols + "|"]
     for f in figs:
         if not f.compiled:
-            rows.append(f"| {f.program} | refused: {f.error} |" + " |" * 11)
+            rows.append(f"| {f.program} | refused: {f.error} |" + " |" * (cols - 2))
             continue
         verdict = f"{'yes' if f.fits else 'NO'} ({f.headroom:.0%})"
         if f.kind == "train":
@@ -196,6 +249,7 @@ def table(figs: list[Figures], chip: Chip) -> str:
             f"{f.bytes_accessed / 1e9:.3g} | {1e3 * f.optimal_seconds:.3g}"
             f"{'*' if f.concat_bitcasts + f.triangular_inversions else ''}"
             f"{'+' if f.loop_flops else ''} | {ratio} | {tps} |"
+            + (f" {_no_msa_cell(f)} |" if no_msa else "")
         )
     if any(f.concat_bitcasts + f.triangular_inversions for f in figs):
         rows.append(
@@ -209,6 +263,13 @@ def table(figs: list[Figures], chip: Chip) -> str:
             "sparse attention), added at the chip's bf16 peak (flops.loop_flops_left_out)"
         )
     return "\n".join(rows)
+
+
+def _no_msa_cell(f: Figures) -> str:
+    if not f.no_msa_seconds:
+        return ""
+    ratio = f", {f.no_msa_vs_floor:.2f}x" if f.no_msa_vs_floor else ""
+    return f"{f.no_msa_bytes_accessed / 1e9:.3g}, {1e3 * f.no_msa_seconds:.3g}{ratio}"
 
 
 def header(slice_desc: str, chip: Chip, mesh: dict, extra: list[str] | None = None) -> list[str]:

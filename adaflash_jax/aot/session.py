@@ -28,11 +28,11 @@ def _mesh(sl: Slice, shape):
     return make_mesh(*shape, devices=slice_devices(sl))
 
 
-def _compile_all(progs, sl: Slice, log=None) -> list[R.Figures]:
+def _compile_all(progs, sl: Slice, log=None, no_msa: bool = False) -> list[R.Figures]:
     log = sys.stderr if log is None else log  # looked up now: a stream swapped in later counts
     figs = []
     for i, p in enumerate(progs, 1):
-        f = R.compile_program(p, sl.chip, sl.chips)
+        f = R.compile_program(p, sl.chip, sl.chips, no_msa=no_msa)
         jax.clear_caches()  # a 30-program 8B session reached 12 GB RSS without this
         state = "compiled" if f.compiled else f"refused: {f.error}"
         print(f"[{i}/{len(progs)}] {p.name}: {state} in {f.compile_s:.0f} s", file=log, flush=True)
@@ -60,27 +60,29 @@ def _target(cfg: RunConfig, twin: bool):
 
 def compile_run(
     cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=None,
-    twin: bool = False,
+    twin: bool = False, no_msa: bool = False,
 ):  # fmt: skip
-    """`twin`: the target's dense twin (`abstract.dense_twin`) instead of the hybrid."""
+    """`twin`: the target's dense twin (`abstract.dense_twin`) instead of the hybrid;
+    `no_msa`: decode programs also without memory-space assignment (`report.compile_program`)."""
     target = _target(cfg, twin)
     dcfg = run_drafter(cfg, target)
     shape = check_runtime(
         cfg, num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id
     )
     progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths, target=target)
-    figs = _compile_all(progs, sl, log)
+    figs = _compile_all(progs, sl, log, no_msa)
     meta = _meta(cfg, sl, shape, "run", overrides or {})
-    meta.update(dense_twin=twin)
+    meta.update(dense_twin=twin, no_msa=no_msa)
     return figs, R.to_json(figs, **meta)
 
 
 def compile_serve(
     cfg: RunConfig, sl: Slice, *, rows, capacity: int, widths=None, overrides=None,
-    log=None, twin: bool = False, fills=(),
+    log=None, twin: bool = False, fills=(), no_msa: bool = False,
 ):  # fmt: skip
     """Decoding with the weights split over all chips (mesh (1, 1, chips), DECODE_RULES:
-    a dimension the tensor axis does not divide stays whole), bf16 target and drafter."""
+    a dimension the tensor axis does not divide stays whole), bf16 target and drafter.
+    `no_msa`: each also without memory-space assignment (`report.compile_program`)."""
     target = _target(cfg, twin)
     if capacity > target.max_position_embeddings:
         raise ConfigError(
@@ -91,7 +93,9 @@ def compile_serve(
         cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths, target=target,
         fills=fills,
     )  # fmt: skip
-    figs = _compile_all(progs, sl, log)
+    figs = _compile_all(progs, sl, log, no_msa)
     meta = _meta(cfg, sl, shape, "serve", overrides or {})
-    meta.update(capacity=capacity, rules="DECODE_RULES", dtype="bfloat16", dense_twin=twin)
+    meta.update(
+        capacity=capacity, rules="DECODE_RULES", dtype="bfloat16", dense_twin=twin, no_msa=no_msa
+    )
     return figs, R.to_json(figs, **meta)
