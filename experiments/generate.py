@@ -2,6 +2,7 @@
 
 python -m experiments.generate --target DIR --prompt "Hi" --json
 python -m experiments.generate --drafter DIR [--block-size K] [--policy goodput] [--slots N]
+    [--verify packed]
 
 With --drafter the prompts flow through `SpeculativeEngine` (continuous batching over
 --slots slots, default: one per prompt); --json objects then add `accepted` (accepted drafts
@@ -22,7 +23,7 @@ from adaflash_jax.decode.build import POLICY_NAMES
 from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
 from adaflash_jax.decode.policy import PolicyError
-from adaflash_jax.decode.slots import EngineError
+from adaflash_jax.decode.slots import VERIFY_LAYOUTS, EngineError
 from adaflash_jax.drafter.checkpoint import load_drafter
 from adaflash_jax.embedded import default_target_dir as embedded_target_dir
 from adaflash_jax.model.checkpoint import load_target
@@ -52,14 +53,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
     s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
+    s.add_argument(
+        "--verify", choices=VERIFY_LAYOUTS, default="padded", help="packed: each row's own tokens"
+    )
     s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
     s.add_argument(
         "--no-skip-draft", action="store_true", help="goodput always drafts (no plain steps)"
     )
     a = p.parse_args(argv)
-    if a.drafter is None and (a.block_size or a.slots or a.policy != "fixed" or a.cost_table):
-        p.error("--block-size/--slots/--policy/--cost-table need --drafter")
+    spec_only = a.block_size or a.slots or a.policy != "fixed" or a.cost_table
+    if a.drafter is None and (spec_only or a.verify != "padded"):
+        p.error("--block-size/--slots/--policy/--cost-table/--verify need --drafter")
     if a.policy != "goodput" and (a.estimator or a.no_skip_draft):
         p.error("--estimator/--no-skip-draft are options of --policy goodput")
     return a
@@ -125,7 +130,7 @@ def run(args) -> None:
     results = speculative_generate(
         model, drafter, prompts, max_new_tokens=args.max_new_tokens, slots=args.slots,
         block_size=args.block_size, policy=args.policy, policy_kwargs=goodput_options(args),
-        cost_table=args.cost_table, **sampling,
+        cost_table=args.cost_table, verify=args.verify, **sampling,
     )  # fmt: skip
     stats = [
         {"accepted": r.accepted, "tau": None if r.steps == 0 else r.tau, "steps": r.steps}

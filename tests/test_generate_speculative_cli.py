@@ -58,6 +58,9 @@ def test_greedy_speculative_equals_plain(dirs, capsys):
         assert r["tau"] == pytest.approx(sum(a + 1 for a in r["accepted"]) / r["steps"])
         # the prefill gives the first token, each step accepted + 1 (EOS/max may cut)
         assert len(r["output_ids"]) <= 1 + sum(a + 1 for a in r["accepted"])
+    packed = _rows(capsys, base + spec_args + ["--verify", "packed"])  # each row's own tokens
+    assert [r["output_ids"] for r in packed] == [r["output_ids"] for r in plain]
+    assert [r["accepted"] for r in packed] == [r["accepted"] for r in spec]
     # text mode (same compiled programs) reports τ per prompt
     generate_cli.main([a for a in base if a != "--json"] + spec_args)
     assert capsys.readouterr().out.count("tau") == 3
