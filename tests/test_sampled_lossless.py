@@ -133,6 +133,8 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
     ids=["adaflash", "adaflash-packed", "goodput", "goodput-skip-probing", "mixed"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy, verify):
+    if verify == "packed" and models[0].config.is_hybrid:
+        pytest.skip("packing's sampled acceptance is layout-only: the dense target shows it")
     outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy, verify=verify)
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
