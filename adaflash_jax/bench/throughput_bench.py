@@ -159,7 +159,9 @@ class ThroughputBench:
             same = [
                 n
                 for n in self.cost_tables
-                if n in self.drafters and self.drafters[n].config == drafter.config
+                if n in self.drafters
+                and self.drafters[n].config == drafter.config
+                and (self.cost_tables[n].fills or not self.packs(name))
             ]
             if same:
                 self.cost_tables[name] = self.cost_tables[same[0]]
