@@ -5,7 +5,8 @@
     python -m experiments.distill --target DIR --init-drafter DFLASH_DIR --run-dir runs/x
 
 `--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
-Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
+Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143). A non-finite stop, a storage fault or a
+lost peer process (multi-process runs) exits with one line and code 3.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
     from adaflash_jax.distill.config import ConfigError, load_config, override
     from adaflash_jax.distill.pipeline import Preempted, run
     from adaflash_jax.io.fs import StorageError
+    from adaflash_jax.train.mesh import exit_on_peer_loss
     from adaflash_jax.train.optimizer import NonFiniteError
 
     try:
@@ -75,6 +77,9 @@ def main(argv=None) -> int:
     except (NonFiniteError, StorageError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except Exception as e:
+        exit_on_peer_loss(e)  # a lost peer process: one line, exit 3 (multi-process runs)
+        raise
     return 0
 
 
