@@ -5,8 +5,9 @@
     python -m experiments.distill --target DIR --init-drafter DFLASH_DIR --run-dir runs/x
 
 `--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
-Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143). A non-finite stop, a storage fault or a
-lost peer process (multi-process runs) exits with one line and code 3.
+Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
+A non-finite stop, a storage fault or a lost peer process (multi-process runs) exits with
+one line and code 3.
 """
 
 from __future__ import annotations

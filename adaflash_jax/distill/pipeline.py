@@ -117,9 +117,7 @@ def _datasets(ctx: Context, target_split, mesh) -> Datasets:
     elif ctx.stage2_prompts:
         ids, prompts = _encode(ctx, ctx.stage2_prompts, "stage-2")
         if ctx.cfg.stage2.collector == "replay":
-            pool = Stage2Pool.of(
-                _regenerated(ctx, target_split, "stage2", ids, prompts, rows), ids
-            )
+            pool = Stage2Pool.of(_regenerated(ctx, target_split, "stage2", ids, prompts, rows), ids)
         else:
             names = [p.domain for p in prompts]
             domains = tuple(dict.fromkeys(names))
