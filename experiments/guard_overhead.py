@@ -45,9 +45,7 @@ def _build(guard: bool):
     tx, schedules = steps.make_optimizer(
         {"drafter": opt, "head": opt, "accept": opt}, clip_norm=1.0, nonfinite_guard=guard
     )
-    state, shardings = new_train_state(
-        params, t_params, tx, mesh=mesh, rules=TRAIN_RULES, seed=0
-    )
+    state, shardings = new_train_state(params, t_params, tx, mesh=mesh, rules=TRAIN_RULES, seed=0)
     spec = steps.StepSpec(kind="stage2", block_size=k, gamma=dcfg.loss_gamma,
                           feature_layers=(1, 2), nonfinite_guard=guard)  # fmt: skip
     bsh = steps.batch_shardings(mesh, TRAIN_RULES, b)

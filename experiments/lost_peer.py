@@ -46,7 +46,9 @@ def _pair(victim: int, heartbeat: int) -> dict:
     procs = [
         subprocess.Popen(
             [*cmd, "--as-process", str(i), "--port", str(port), "--victim", str(victim)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )  # fmt: skip
         for i in range(2)
     ]
