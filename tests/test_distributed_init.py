@@ -67,3 +67,34 @@ def test_single_process_stop_flag_needs_no_collective(tmp_path):
     with Checkpointer(tmp_path / "ckpt", save_every=10) as ckpt:
         assert loop._stop_requested(ckpt, None, 3) is False
         assert loop._stop_requested(ckpt, Guard(), 3) is True
+
+
+def test_the_distill_cli_ends_on_a_lost_peer_with_one_line(monkeypatch, capsys):
+    """`experiments.distill` on a multi-process run whose collective lost its peer: one line
+    on stderr and exit 3, without the runtime's exit barrier (`os._exit`, faked here)."""
+    import pytest
+
+    from adaflash_jax.distill import pipeline
+    from experiments import distill
+
+    class Exited(Exception):
+        pass
+
+    def lost(*args, **kwargs):
+        raise ValueError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer [1.2.3.4]")
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(pipeline, "run", lost)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(mesh.os, "_exit", fake_exit)
+    with pytest.raises(Exited) as exited:
+        distill.main(["--no-progress"])
+    assert exited.value.args == (mesh.PEER_LOST_EXIT,)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stopped: process 0 of 2 lost a peer process")
+    assert "Connection closed by peer" in err[0]
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # one process: a plain traceback
+    with pytest.raises(ValueError, match="Gloo"):
+        distill.main(["--no-progress"])
