@@ -6,6 +6,8 @@
 
 `--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
 Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
+A non-finite stop, a storage fault or a lost peer process (multi-process runs) exits with
+one line and code 3.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
     from adaflash_jax.distill.pipeline import Preempted, run
     from adaflash_jax.io.fs import StorageError
     from adaflash_jax.model.config import ConfigError
+    from adaflash_jax.train.mesh import exit_on_peer_loss
     from adaflash_jax.train.optimizer import NonFiniteError
 
     try:
@@ -77,6 +80,9 @@ def main(argv=None) -> int:
     except (NonFiniteError, StorageError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except Exception as e:
+        exit_on_peer_loss(e)  # a lost peer process: one line, exit 3 (multi-process runs)
+        raise
     return 0
 
 

@@ -60,6 +60,11 @@ def main(argv=None) -> int:
         help="decode programs: also XLA's estimate with memory-space assignment off (no VMEM "
         "prefetch copies counted; twice the compile time)",
     )
+    p.add_argument(
+        "--no-nonfinite-guard",
+        action="store_true",
+        help="train steps without the non-finite guard (only to measure what it costs)",
+    )
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--cost-table", help="--serve: write the verify-cost table (goodput format)")
     args = p.parse_args(argv)
@@ -89,11 +94,13 @@ def main(argv=None) -> int:
             figs, data = session.compile_run(
                 cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths,
                 overrides=sets, twin=args.dense_twin, no_msa=args.no_msa,
+                nonfinite_guard=not args.no_nonfinite_guard,
             )  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = cfg.name + (" (dense twin)" if args.dense_twin else "")
+    name += " (no non-finite guard)" if args.no_nonfinite_guard else ""
     print("\n".join(report.header(f"{name} on {sl.name}", sl.chip, data["mesh"])))
     print(report.table(figs, sl.chip))
     if args.json:

@@ -13,6 +13,11 @@ on a global (data, fsdp, tensor) mesh:
   resumed from the checkpoint (data position and round included) for step 3;
   export of the final drafter (gathered from all processes, written by process 0).
 
+`--phase kill` stops after the resume's restore: process 1 kills itself (SIGKILL, after
+writing `<run-dir>/killed_at.json`) before step 3, so process 0 meets a dead peer in step 3's
+collective and must exit at once with one line (`train.mesh.exit_on_peer_loss`, exit 3).
+`--phase resume` then restarts both from the step-2 checkpoint for step 3 and the export.
+
 Stage 1 and head init use the same loop, batches and checkpointing with a subset of the
 stage-2 computation; they are left out to keep the check's compile time down.
 
@@ -35,6 +40,10 @@ import zlib
 
 MESH = (1, 4, 2)  # fsdp spans both processes (4 devices each), tensor stays inside one
 STOP_AT = 2  # steps done when the fake preemption hits
+# The runtime's timeouts here (the config's `distributed` section on real runs): short, so a
+# lost peer that a collective does not report still ends the survivor quickly; long enough
+# for a heartbeat thread on a loaded 2-core machine.
+HEARTBEAT_S, SHUTDOWN_S = 15, 120
 
 
 def micro_config(target_dir: str, prompts: str, run_dir: str):
@@ -97,13 +106,36 @@ class StopAfter:
         return self.checks > self.n
 
 
+class KillBeforeNextStep:
+    """A guard that SIGKILLs process 1 the first time the loop asks it (process 0 goes on)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    @property
+    def should_stop(self) -> bool:
+        import signal
+        import time
+
+        import jax
+
+        if jax.process_index() == 1:
+            with open(os.path.join(self.run_dir, "killed_at.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return False
+
+
 def row_checksums(tokens) -> list[int]:
     import numpy as np
 
     return [zlib.crc32(np.ascontiguousarray(r).tobytes()) for r in tokens]
 
 
-def run(target_dir: str, prompts: str, run_dir: str) -> dict:
+def run(target_dir: str, prompts: str, run_dir: str, phase: str = "all") -> dict | None:
+    """phase "all": preempted at step 2, resumed in-process to the end; "kill": preempted at
+    step 2, then process 1 dies in the resumed stage (returns only if nothing failed, which
+    is an error); "resume": from the latest checkpoint to the end."""
     import jax
     from flax import nnx
 
@@ -130,17 +162,21 @@ def run(target_dir: str, prompts: str, run_dir: str) -> dict:
 
     d_graph, params = fresh_drafter(ctx.drafter_cfg, mesh=mesh, rules=TRAIN_RULES, seed=0)
     with ScalarWriter(ctx.path("tb")) as writer:
-        first = trainer(writer, StopAfter(STOP_AT))
+        if phase != "resume":
+            first = trainer(writer, StopAfter(STOP_AT))
+            try:
+                first.stage2("adaflash", params, pool)
+                raise AssertionError("the stop request did not preempt stage 2")
+            except Preempted:
+                pass
+        guard = KillBeforeNextStep(run_dir) if phase == "kill" else None
+        second = trainer(writer, guard)
         # The rows this process feeds, from the trainer's own iterator factory (which passes
         # jax.process_index()/process_count()); stage 2 builds its iterators the same way.
-        batch = next(iter(first._iterator(data, ctx.cfg.seed)))
-        try:
-            first.stage2("adaflash", params, pool)
-            raise AssertionError("the stop request did not preempt stage 2")
-        except Preempted:
-            pass
-        second = trainer(writer, None)
+        batch = next(iter(second._iterator(data, ctx.cfg.seed)))
         params, taus = second.stage2("adaflash", params, pool)  # resumes at step 2
+        if phase == "kill":
+            raise AssertionError("a lost peer did not stop the run")
         export = export_drafter(d_graph, params, ctx.path("export"))
 
     # The losses as process 0 logged them to TensorBoard (other processes log nothing).
@@ -171,11 +207,13 @@ def configure(local_devices: int, process_id: int, num_processes: int, port: int
         # Cross-process collectives on CPU go through gloo (the default in jax 0.10; set
         # explicitly so a different default cannot silently turn them off).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}",
-            num_processes=num_processes,
-            process_id=process_id,
-            initialization_timeout=60,
+        from adaflash_jax.train.mesh import maybe_initialize_distributed
+
+        os.environ["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+        os.environ["JAX_NUM_PROCESSES"] = str(num_processes)
+        os.environ["JAX_PROCESS_ID"] = str(process_id)
+        maybe_initialize_distributed(
+            True, init_timeout_s=60, heartbeat_timeout_s=HEARTBEAT_S, shutdown_timeout_s=SHUTDOWN_S
         )
 
 
@@ -189,6 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--local-devices", type=int, default=8)
+    p.add_argument("--phase", choices=("all", "kill", "resume"), default="all")
     args = p.parse_args(argv)
     if args.pipeline is None and not (args.target and args.prompts):
         p.error("pass --target and --prompts, or --pipeline CONFIG")
@@ -200,7 +239,13 @@ def main(argv=None) -> int:
         rc = distill.main(argv)  # jax.distributed is up already: its own init is a no-op
         print(f"process {args.process_id}: exit {rc}", flush=True)
         return rc
-    result = run(args.target, args.prompts, args.run_dir)
+    try:
+        result = run(args.target, args.prompts, args.run_dir, args.phase)
+    except Exception as e:
+        from adaflash_jax.train.mesh import exit_on_peer_loss
+
+        exit_on_peer_loss(e)  # as experiments.distill: one line, exit 3
+        raise
     with open(os.path.join(args.run_dir, f"process{args.process_id}.json"), "w") as f:
         json.dump({"first_rows": result["first_rows"]}, f)
     if result["process_index"] == 0:

@@ -3,8 +3,11 @@ pipeline's stage-2 training on one global 8-device mesh and agree with one proce
 
 Each worker (tests/multihost_worker.py) feeds only its own rows of every global batch, is
 preempted after step 2 (orbax checkpoint written by both processes into one directory, as on
-a shared gs:// bucket), restarts and resumes for step 3, then exports. The reference is the
-same `run()` in this pytest process, on conftest's 8 devices, overlapping the workers.
+a shared gs:// bucket) and restarts the stage; there process 1 dies (kill -9) before step 3,
+and process 0 must end at once with one line instead of hanging in the step's collective.
+Both are launched again, resume from the step-2 checkpoint for step 3, then export. The
+reference is the same `run()` in this pytest process, on conftest's 8 devices, uninterrupted
+but for its in-process preemption, overlapping the first launch.
 
 Tolerance: per-step losses rtol 2e-5. The two runs see the same global batch with its rows
 in another order (process p holds samples p, p+2, ...) and all-reduce across processes through
@@ -18,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -33,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "multihost_worker.py")
 TIMEOUT_S = 300  # generous: the suite shares 2 cores; a healthy run takes ~30 s
+PEER_LOST_EXIT = 3  # train.mesh.PEER_LOST_EXIT
+LOST_PEER_BOUND_S = 120  # docs/design.md §4.4: a lost peer ends the others within 2 minutes
 
 
 def _load_worker():
@@ -81,13 +87,15 @@ def _tail(path: str, n: int = 4000) -> str:
     return text[-n:]
 
 
-def _launch_pair(root, name: str, args: list[str], reference):
+def _launch_pair(root, name: str, args: list[str], reference=None, expect=(0, 0)):
     """Two workers (`args` + their process ids) while `reference()` runs in this process;
-    returns (reference's result, worker logs). Fails with both workers' output on error."""
+    returns (reference's result, worker logs, each worker's exit time). Fails with both
+    workers' output unless their exit codes are `expect`."""
     port = _free_port()
     # os.environ carries conftest's XLA_FLAGS (faster XLA:CPU compiles) to the workers
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    logs, procs, codes = [], [], ["not started"] * 2
+    logs, procs, codes, ended = [], [], ["not started"] * 2, [None, None]
+    result = None
     try:
         for i in range(2):
             logs.append(str(root / f"{name}_worker{i}.log"))
@@ -97,34 +105,47 @@ def _launch_pair(root, name: str, args: list[str], reference):
                 procs.append(
                     subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 )
-        result = reference()
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
+        if reference is not None:
+            result = reference()
+        deadline = time.time() + TIMEOUT_S
+        while time.time() < deadline and None in ended:
+            for i, p in enumerate(procs):
+                if ended[i] is None and p.poll() is not None:
+                    ended[i] = time.time()
+            time.sleep(0.1)
         codes = [p.poll() if p.poll() is not None else "timeout" for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if codes != [0, 0]:
+    if codes != list(expect):
         report = "\n".join(
             f"--- worker {i} (exit {c}) ---\n{_tail(log)}"
             for i, (c, log) in enumerate(zip(codes, logs))
         )
-        pytest.fail(f"multi-process workers failed:\n{report}")
-    return result, logs
+        pytest.fail(f"multi-process workers ended {codes}, not {list(expect)}:\n{report}")
+    return result, logs, ended
 
 
 def _run_workers_and_reference(world):
+    """The reference (one process, uninterrupted but for an in-process preemption) overlaps
+    the first two-process launch, in which process 1 dies (SIGKILL) in the resumed stage;
+    a second launch of both resumes from the last checkpoint and finishes."""
     target, prompts, root = world
     run_dir, ref_dir = str(root / "two"), str(root / "one")
     os.makedirs(run_dir)
     os.makedirs(ref_dir)
     args = ["--target", target, "--prompts", prompts, "--run-dir", run_dir]
-    reference, logs = _launch_pair(
-        root, "steps", args, lambda: _load_worker().run(target, prompts, ref_dir)
-    )
-    return reference, ref_dir, run_dir, logs
+    reference, kill_logs, ended = _launch_pair(
+        root, "kill", [*args, "--phase", "kill"],
+        lambda: _load_worker().run(target, prompts, ref_dir), expect=(PEER_LOST_EXIT, -9),
+    )  # fmt: skip
+    with open(os.path.join(run_dir, "killed_at.json")) as f:
+        killed_at = json.load(f)["time"]
+    _, logs, _ = _launch_pair(root, "resume", [*args, "--phase", "resume"])
+    lost = {"survivor_exit_s": ended[0] - killed_at, "survivor_log": kill_logs[0]}
+    return reference, ref_dir, run_dir, logs, lost
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +153,20 @@ def runs(world):
     return _run_workers_and_reference(world)
 
 
+def test_a_lost_peer_ends_the_survivor_with_one_line(runs):
+    """Process 1 died (kill -9) mid-stage: process 0 exited with code 3 and one line saying
+    it lost a peer, within the bound of docs/design.md §4.4 (at most the heartbeat timeout
+    after the death; here a collective reports the dead peer at once)."""
+    *_, lost = runs
+    with open(lost["survivor_log"], errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if "lost a peer process" in line]
+    assert len(lines) == 1 and lines[0].startswith("stopped: process 0 of 2"), lines
+    print(f"survivor exited {lost['survivor_exit_s']:.1f} s after its peer died")
+    assert lost["survivor_exit_s"] <= LOST_PEER_BOUND_S
+
+
 def test_two_processes_match_one_process(runs):
-    reference, _, run_dir, _ = runs
+    reference, _, run_dir, *_ = runs
     with open(os.path.join(run_dir, "result.json")) as f:
         got = json.load(f)
     assert (got["process_count"], got["devices"]) == (2, 8)
@@ -149,7 +182,7 @@ def test_two_processes_match_one_process(runs):
 
 def test_each_process_feeds_its_own_rows(runs):
     """Process p's first local batch is rows p, p+2, ... of the single-process global batch."""
-    reference, _, run_dir, _ = runs
+    reference, _, run_dir, *_ = runs
     rows = reference["first_rows"]
     for p in range(2):
         with open(os.path.join(run_dir, f"process{p}.json")) as f:
@@ -157,11 +190,11 @@ def test_each_process_feeds_its_own_rows(runs):
 
 
 def test_checkpoints_logs_and_export(runs):
-    _, ref_dir, run_dir, logs = runs
+    _, ref_dir, run_dir, logs, _ = runs
     ckpt = os.path.join(run_dir, "ckpt", "stage2_adaflash")
     assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == ["2", "3"]  # preempt, end
     events = [n for n in os.listdir(os.path.join(run_dir, "tb")) if "tfevents" in n]
-    assert len(events) == 1, events  # only process 0 logs
+    assert len(events) == 2, events  # only process 0 logs: one file per launch
     bars = ["stage2_adaflash" in _tail(log, n=10**7) for log in logs]
     assert bars == [True, False]  # progress bars: process 0 only
     assert os.path.isfile(os.path.join(run_dir, "stage2", "adaflash", "round0", "meta.json"))
@@ -208,7 +241,7 @@ def test_whole_distill_pipeline_two_processes(world):
         f.write(PIPELINE_CONFIG.format(target=target, prompts=prompts))
     two, one = str(root / "pipe_two"), str(root / "pipe_one")
     args = ["--pipeline", config, "--run-dir", two]
-    rc, logs = _launch_pair(
+    rc, logs, _ = _launch_pair(
         root, "pipeline", args, lambda: distill.main(["--config", config, "--run-dir", one])
     )
     assert rc == 0

@@ -131,3 +131,45 @@ def test_broken_jsonl_lines_are_named_or_skipped_and_counted(tokenizer, tmp_path
     assert [p.text for p in got] == ["ok one", "ok two"] and got.skipped_lines == (2, 4)
     ids = P.encode(got, tokenizer, chat_template=False, max_len=4)
     assert ids.truncated == 2 and all(len(i) == 4 for i in ids)
+
+
+def test_long_prompts_are_truncated_or_skipped_and_counted(tokenizer):
+    """`long_prompts`: "truncate" keeps a long prompt's last tokens, "skip" leaves it out;
+    both count it, and `kept` says which prompts remain."""
+    prompts = [P.Prompt(domain="d", text=t) for t in ("ab", "abcdefgh", "abc", "abcdef")]
+    cut = P.encode(prompts, tokenizer, chat_template=False, max_len=4)
+    assert (cut.truncated, cut.skipped, cut.kept) == (2, 0, (0, 1, 2, 3))
+    assert cut[1] == tokenizer.encode("abcdefgh")[-4:]
+    skip = P.encode(prompts, tokenizer, chat_template=False, max_len=4, long_prompts="skip")
+    assert (skip.truncated, skip.skipped, skip.kept) == (0, 2, (0, 2))
+    assert list(skip) == [cut[0], cut[2]]
+    with pytest.raises(P.PromptError, match="long_prompts"):
+        P.encode(prompts, tokenizer, chat_template=False, max_len=4, long_prompts="drop")
+
+
+def test_skipped_long_prompts_reach_the_report(tokenizer):
+    """The pipeline encodes with `data.long_prompts`, keeps the prompts (and domains) of the
+    ids it kept, refuses a split left empty, and reports both counts per split."""
+    import types
+
+    from adaflash_jax.distill import config as C
+    from adaflash_jax.distill import pipeline
+
+    prompts = [P.Prompt(domain=d, text=t) for d, t in (("a", "x"), ("b", "abcdefgh"), ("c", "y"))]
+    cfg = C.RunConfig(data=C.DataSpec(max_prompt_len=4, long_prompts="skip"))
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, skipped_lines={})
+    ids, kept = pipeline._encode(ctx, prompts, "train")
+    assert [p.domain for p in kept] == ["a", "c"] and ids.skipped == 1
+    with pytest.raises(C.ConfigError, match="all 1 eval prompts are longer"):
+        pipeline._encode(ctx, prompts[1:2], "eval")
+    truncating = types.SimpleNamespace(cfg=C.RunConfig(), tokenizer=tokenizer)
+    cut, _ = pipeline._encode(truncating, prompts, "eval")
+    data = types.SimpleNamespace(
+        train_ids=ids, eval_ids=cut, stage2_ids=None,
+        train=types.SimpleNamespace(meta={}), eval=types.SimpleNamespace(meta={}),
+    )  # fmt: skip
+    issues = pipeline.data_issues(ctx, data)
+    assert issues["prompts_skipped"] == {"train": 1, "eval": 0}
+    assert issues["prompts_truncated"] == {"train": 0, "eval": 0}  # max_prompt_len 64 there
+    with pytest.raises(C.ConfigError, match="data.long_prompts"):
+        C.DataSpec(long_prompts="drop")

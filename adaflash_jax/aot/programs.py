@@ -38,14 +38,15 @@ EXTRA_GROUPS = ("target", "plain")
 
 
 def run_programs(
-    cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None, target=None
+    cfg: RunConfig, mesh: Mesh, groups=GROUPS, widths=None, target=None, nonfinite_guard=True
 ) -> list[Program]:
     """The programs a run executes (`groups`); the engine step at `widths` (default: all
-    buckets); `target` replaces the run's target shape (e.g. `abstract.dense_twin`)."""
+    buckets); `target` replaces the run's target shape (e.g. `abstract.dense_twin`);
+    `nonfinite_guard=False`: train steps without the non-finite guard (to measure it)."""
     out = []
     target = target or run_target(cfg)
     if "train" in groups:
-        out += train_programs(cfg, mesh, target=target)
+        out += train_programs(cfg, mesh, target=target, nonfinite_guard=nonfinite_guard)
     if "target" in groups:
         out.append(target_forward_program(cfg, mesh, target=target))
     dtype = DTYPES[cfg.compute_dtype]

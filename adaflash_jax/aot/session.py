@@ -60,19 +60,23 @@ def _target(cfg: RunConfig, twin: bool):
 
 def compile_run(
     cfg: RunConfig, sl: Slice, *, groups=P.GROUPS, widths=None, overrides=None, log=None,
-    twin: bool = False, no_msa: bool = False,
+    twin: bool = False, no_msa: bool = False, nonfinite_guard: bool = True,
 ):  # fmt: skip
     """`twin`: the target's dense twin (`abstract.dense_twin`) instead of the hybrid;
-    `no_msa`: decode programs also without memory-space assignment (`report.compile_program`)."""
+    `no_msa`: decode programs also without memory-space assignment (`report.compile_program`);
+    `nonfinite_guard=False`: train steps without the non-finite guard (to measure it)."""
     target = _target(cfg, twin)
     dcfg = run_drafter(cfg, target)
     shape = check_runtime(
         cfg, num_devices=sl.chips, target=target, mask_token_id=dcfg.mask_token_id
     )
-    progs = P.run_programs(cfg, _mesh(sl, shape), groups=groups, widths=widths, target=target)
+    progs = P.run_programs(
+        cfg, _mesh(sl, shape), groups=groups, widths=widths, target=target,
+        nonfinite_guard=nonfinite_guard,
+    )  # fmt: skip
     figs = _compile_all(progs, sl, log, no_msa)
     meta = _meta(cfg, sl, shape, "run", overrides or {})
-    meta.update(dense_twin=twin, no_msa=no_msa)
+    meta.update(dense_twin=twin, no_msa=no_msa, nonfinite_guard=nonfinite_guard)
     return figs, R.to_json(figs, **meta)
 
 

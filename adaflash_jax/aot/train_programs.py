@@ -11,6 +11,8 @@ target in the compute dtype as `load_target` gives it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -72,9 +74,12 @@ def stages_of(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(k for k in steps.KINDS if runs[k])
 
 
-def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None, target=None) -> list[Program]:
+def train_programs(
+    cfg: RunConfig, mesh: Mesh, kinds=None, target=None, nonfinite_guard: bool = True
+) -> list[Program]:
     """One Program per step kind (default: every kind the run executes); `target` replaces
-    the run's target shape (e.g. a dense twin)."""
+    the run's target shape (e.g. a dense twin); `nonfinite_guard=False` builds the steps
+    without the non-finite guard (only to measure it)."""
     target = target or run_target(cfg)
     dcfg = run_drafter(cfg, target)
     dtype = DTYPES[cfg.compute_dtype]
@@ -87,7 +92,9 @@ def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None, target=None) -> list[
         n = anchors_of(cfg, kind)
         batch = abstract_batch(cfg, bsh, n)
         groups, clip = stage_optimizer(cfg, kind)
-        tx, schedules = steps.make_optimizer(groups, clip_norm=clip)
+        tx, schedules = steps.make_optimizer(
+            groups, clip_norm=clip, nonfinite_guard=nonfinite_guard
+        )
 
         def init(params, frozen, tx=tx):
             return new_train_state(params, frozen, tx, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed)[
@@ -96,7 +103,9 @@ def train_programs(cfg: RunConfig, mesh: Mesh, kinds=None, target=None) -> list[
 
         abstract = jax.eval_shape(init, d_params, t_params)
         shardings = tree_shardings(abstract, mesh, TRAIN_RULES)
-        spec = step_spec(cfg, dcfg, kind, mesh=mesh)
+        spec = dataclasses.replace(
+            step_spec(cfg, dcfg, kind, mesh=mesh), nonfinite_guard=nonfinite_guard
+        )
         fn = steps.jit_step(
             steps.make_step(spec, d_graph, t_graph, tx, schedules),
             state_shardings=shardings,

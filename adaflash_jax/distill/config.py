@@ -54,7 +54,11 @@ class DataSpec:
     domains: tuple[str, ...] = ()  # () → every domain the prompts carry
     train_per_domain: int = 64  # prompts regenerated per domain for stage 1 / head init
     eval_per_domain: int = 8
-    max_prompt_len: int = 64  # longer prompts keep their last tokens
+    max_prompt_len: int = 64  # the prompt budget of a training sequence
+    # Prompts over max_prompt_len tokens: "truncate" keeps their last tokens, "skip" leaves
+    # them out (a domain then has fewer prompts). Either way counted in report.json's
+    # data_issues (prompts_truncated / prompts_skipped).
+    long_prompts: str = "truncate"
     max_new_tokens: int = 64  # regeneration length (greedy target responses)
     regen_batch: int = 32
     regen_dir: str | None = None  # reusable regenerated datasets (default: <run_dir>/data)
@@ -71,6 +75,10 @@ class DataSpec:
             "regen_batch",
         )
         _positive("data", self, "max_bad_lines", allow_zero=True)
+        if self.long_prompts not in ("truncate", "skip"):
+            raise ConfigError(
+                f"data.long_prompts must be 'truncate' or 'skip', got {self.long_prompts!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -246,6 +254,21 @@ class CheckpointSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedSpec:
+    """jax.distributed's runtime timeouts on a multi-process run (docs/design.md §4.4): a
+    process that stops heartbeating for `heartbeat_timeout_s` is declared lost and every
+    other process is ended, instead of hanging in a collective."""
+
+    init_timeout_s: int = 300  # every process must have joined the coordinator by then
+    heartbeat_timeout_s: int = 60  # a lost peer ends the job within about this
+    shutdown_timeout_s: int = 300  # how long the exit barrier waits for the slowest process
+
+    def __post_init__(self):
+        _positive("distributed", self, "init_timeout_s", "heartbeat_timeout_s")
+        _positive("distributed", self, "shutdown_timeout_s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "run"
     target_path: str | None = None  # HF directory; None → the embedded tiny target
@@ -273,6 +296,7 @@ class RunConfig:
     stage2: Stage2Spec = Stage2Spec()
     eval: EvalSpec = EvalSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    distributed: DistributedSpec = DistributedSpec()
     log_every: int = 10
     # Train steps in a row with a non-finite loss or gradient (each skipped: the weights and
     # optimizer state stay as they were) that stop the run, checked at log points.

@@ -55,20 +55,31 @@ def _dtype(name: str):
 class Datasets:
     train: SequenceData  # stage 1 and head init: the target's greedy responses
     eval: SequenceData  # held-out τ
-    train_ids: P.Encoded  # ids per prompt, with the count cut to max_prompt_len
+    train_ids: P.Encoded  # ids per prompt, with the counts cut to / skipped over max_prompt_len
     eval_ids: P.Encoded
     pool: Stage2Pool | None  # what stage-2 rounds draw from
+    stage2_ids: P.Encoded | None = None  # the "fresh" pool's prompts, when encoded
 
 
-def _encode(ctx: Context, prompts) -> P.Encoded:
+def _encode(ctx: Context, prompts, split: str) -> tuple[P.Encoded, list]:
+    """(ids, the prompts kept): with `data.long_prompts="skip"` prompts over the budget are
+    left out; a split left with none is refused."""
     cfg = ctx.cfg
-    return P.encode(
+    ids = P.encode(
         prompts,
         ctx.tokenizer,
         chat_template=cfg.data.chat_template,
         max_len=cfg.data.max_prompt_len,
         enable_thinking=cfg.data.enable_thinking,
+        long_prompts=cfg.data.long_prompts,
     )
+    if prompts and not ids:
+        raise ConfigError(
+            f"all {len(prompts)} {split} prompts are longer than data.max_prompt_len "
+            f"{cfg.data.max_prompt_len} and data.long_prompts='skip' leaves none: raise "
+            "data.max_prompt_len or set data.long_prompts='truncate'"
+        )
+    return ids, [prompts[i] for i in ids.kept]
 
 
 def _regenerated(ctx: Context, target_split, split: str, ids, prompts, rows) -> SequenceData:
@@ -95,25 +106,24 @@ def _datasets(ctx: Context, target_split, mesh) -> Datasets:
     target responses are regenerated once for the replay collector (greedy, so they are
     exactly what every round's speculative decoding commits); the engine collector decodes
     the prompts itself each round."""
-    train_ids, eval_ids = _encode(ctx, ctx.train_prompts), _encode(ctx, ctx.eval_prompts)
+    train_ids, train_prompts = _encode(ctx, ctx.train_prompts, "train")
+    eval_ids, eval_prompts = _encode(ctx, ctx.eval_prompts, "eval")
     rows = RowLayout.of(mesh, TRAIN_RULES, ctx.cfg.data.regen_batch)  # batch split over chips
-    train = _regenerated(ctx, target_split, "train", train_ids, ctx.train_prompts, rows)
-    evals = _regenerated(ctx, target_split, "eval", eval_ids, ctx.eval_prompts, rows)
-    pool = None
+    train = _regenerated(ctx, target_split, "train", train_ids, train_prompts, rows)
+    evals = _regenerated(ctx, target_split, "eval", eval_ids, eval_prompts, rows)
+    pool, ids = None, None
     if ctx.cfg.stage2.pool == "stage1":
         pool = Stage2Pool.of(train, train_ids)
     elif ctx.stage2_prompts:
-        ids = _encode(ctx, ctx.stage2_prompts)
+        ids, prompts = _encode(ctx, ctx.stage2_prompts, "stage-2")
         if ctx.cfg.stage2.collector == "replay":
-            pool = Stage2Pool.of(
-                _regenerated(ctx, target_split, "stage2", ids, ctx.stage2_prompts, rows), ids
-            )
+            pool = Stage2Pool.of(_regenerated(ctx, target_split, "stage2", ids, prompts, rows), ids)
         else:
-            names = [p.domain for p in ctx.stage2_prompts]
+            names = [p.domain for p in prompts]
             domains = tuple(dict.fromkeys(names))
             domain = np.asarray([domains.index(d) for d in names], np.int32)
             pool = Stage2Pool(ids, domain, domains)
-    return Datasets(train, evals, train_ids, eval_ids, pool)
+    return Datasets(train, evals, train_ids, eval_ids, pool, ids)
 
 
 def _write_config(ctx: Context) -> None:
@@ -127,7 +137,12 @@ def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) ->
     """Validates, then runs everything; returns the report (also written to report.json)."""
     from adaflash_jax.train.mesh import maybe_initialize_distributed
 
-    maybe_initialize_distributed()
+    d = cfg.distributed
+    maybe_initialize_distributed(
+        init_timeout_s=d.init_timeout_s,
+        heartbeat_timeout_s=d.heartbeat_timeout_s,
+        shutdown_timeout_s=d.shutdown_timeout_s,
+    )
     t0 = time.perf_counter()
     ctx = prepare(cfg, run_dir=run_dir, progress=progress)
     return run_prepared(dataclasses.replace(ctx, progress=progress), t0=t0)
@@ -237,11 +252,15 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
 
 def data_issues(ctx: Context, data: Datasets) -> dict:
     """What the run dropped or changed in its data, never silently: broken prompt-file lines
-    skipped, prompts cut to `data.max_prompt_len` (their last tokens kept), regenerated
-    responses with nothing but an EOS."""
+    skipped, prompts over `data.max_prompt_len` cut to it (their last tokens kept) or
+    skipped (`data.long_prompts`), regenerated responses with nothing but an EOS."""
+    encoded = {"train": data.train_ids, "eval": data.eval_ids}
+    if data.stage2_ids is not None:
+        encoded["stage2"] = data.stage2_ids
     return {
         "broken_lines_skipped": {path: list(lines) for path, lines in ctx.skipped_lines.items()},
-        "prompts_truncated": {"train": data.train_ids.truncated, "eval": data.eval_ids.truncated},
+        "prompts_truncated": {split: ids.truncated for split, ids in encoded.items()},
+        "prompts_skipped": {split: ids.skipped for split, ids in encoded.items()},
         "empty_responses": {
             "train": data.train.meta.get("empty_responses"),
             "eval": data.eval.meta.get("empty_responses"),

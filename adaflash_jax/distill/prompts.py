@@ -78,10 +78,16 @@ class PromptList(list):
     skipped_lines: tuple[int, ...] = ()
 
 
+LONG_PROMPTS = ("truncate", "skip")
+
+
 class Encoded(list):
-    """Token ids per prompt, with how many prompts were cut to the length budget."""
+    """Token ids per prompt kept, with how many prompts were over the length budget: cut to
+    it (`truncated`) or left out (`skipped`); `kept` indexes the prompts kept, in order."""
 
     truncated: int = 0
+    skipped: int = 0
+    kept: tuple[int, ...] = ()
 
 
 def read_prompts(
@@ -172,12 +178,16 @@ def encode(
     chat_template: bool,
     max_len: int,
     enable_thinking: bool = False,
-) -> list[list[int]]:
-    """Token ids per prompt; a prompt longer than `max_len` keeps its last tokens, counted in
-    `truncated`. With the chat template, `enable_thinking` goes to it (the Qwen3 / Qwen3.5
-    templates branch on it)."""
-    out = Encoded()
-    for p in prompts:
+    long_prompts: str = "truncate",
+) -> Encoded:
+    """Token ids per prompt. A prompt longer than `max_len` keeps its last tokens, counted in
+    `truncated` (`long_prompts="truncate"`), or is left out, counted in `skipped` ("skip");
+    `kept` lists the indices of the prompts kept. With the chat template, `enable_thinking`
+    goes to it (the Qwen3 / Qwen3.5 templates branch on it)."""
+    if long_prompts not in LONG_PROMPTS:
+        raise PromptError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
+    out, kept = Encoded(), []
+    for i, p in enumerate(prompts):
         if chat_template:
             messages = list(p.messages or ({"role": "user", "content": p.text},))
             ids = tokenizer.encode_chat(
@@ -188,8 +198,13 @@ def encode(
             ids = tokenizer.encode(text)
         if not ids:
             raise PromptError(f"a {p.domain!r} prompt encodes to no tokens")
+        if len(ids) > max_len and long_prompts == "skip":
+            out.skipped += 1
+            continue
         out.truncated += len(ids) > max_len
         out.append(list(ids[-max_len:]))
+        kept.append(i)
+    out.kept = tuple(kept)
     return out
 
 

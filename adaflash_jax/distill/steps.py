@@ -64,6 +64,9 @@ class StepSpec:
     attention: str = "sparse"  # drafter training attention: "sparse" | "dense" (train_hidden)
     attention_chunk: int = DEFAULT_CHUNK  # context keys per chunk of the sparse attention
     rows: RowLayout | None = None  # the batch's rows over the mesh (activations stay split)
+    # The non-finite guard (loss poisoning + the optimizer's skip, train/optimizer.py). Off
+    # only to measure what it costs (experiments/guard_overhead.py): then `skipped` is 0.
+    nonfinite_guard: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -91,11 +94,14 @@ def clip_part(path: str) -> str:
 
 
 def make_optimizer(
-    groups: Mapping[str, OptimizerConfig | None], *, clip_norm: float | None
+    groups: Mapping[str, OptimizerConfig | None],
+    *,
+    clip_norm: float | None,
+    nonfinite_guard: bool = True,
 ) -> tuple[optax.GradientTransformation, dict[str, optax.Schedule]]:
     """AdamW per group of `GROUPS` (a missing or None group is frozen: zero updates, so weight
     decay cannot touch it), after a global-norm clip at `clip_norm` per `clip_part` (None:
-    no clip)."""
+    no clip), wrapped in the non-finite skip (off only with `StepSpec.nonfinite_guard`)."""
     transforms, schedules = {}, {}
     for name in GROUPS:
         cfg = groups.get(name)
@@ -109,7 +115,7 @@ def make_optimizer(
         clip = optax.clip_by_global_norm(clip_norm)
         clips = optax.multi_transform({"draft_model": clip, "accept": clip}, path_labels(clip_part))
         tx = optax.chain(clips, tx)
-    return skip_nonfinite(tx), schedules
+    return (skip_nonfinite(tx) if nonfinite_guard else tx), schedules
 
 
 def clip_part_norms(grads) -> dict[str, jax.Array]:
@@ -245,12 +251,16 @@ def make_step(
                 return loss + h_loss, aux
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        grads = poison_if_nonfinite(loss, grads)
+        if spec.nonfinite_guard:
+            grads = poison_if_nonfinite(loss, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         norms = clip_part_norms(grads)
         metrics = {"loss": loss, "grad_norm": norms["draft_model"], **aux}
-        metrics.update(nonfinite_metrics(opt_state))
+        if spec.nonfinite_guard:
+            metrics.update(nonfinite_metrics(opt_state))
+        else:
+            metrics["skipped"] = jnp.zeros((), jnp.int32)
         metrics["accept_grad_norm"] = norms["accept"]
         for name, schedule in (schedules or {}).items():
             metrics[f"lr_{name}"] = schedule(state.step)

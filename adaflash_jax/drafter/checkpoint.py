@@ -36,6 +36,7 @@ from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, layer_param_table
+from adaflash_jax.model.config import read_json_file
 
 HEAD_PREFIX = "thresh_head_two_model."
 HEAD_PARTS = ("down", "res.0", "out")  # LengthHead's down, res and out (docs/design.md §4.3)
@@ -203,8 +204,7 @@ def open_export(
     for p in (cfg_path, st_path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"drafter directory {path} has no {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        raw = json.load(f)
+    raw = read_json_file(cfg_path)
     main = SafetensorsFile(st_path)
     has_head = any(k.startswith(HEAD_PREFIX) for k in main.keys())
     dflash = raw.get("dflash_config") or {}

@@ -4,7 +4,9 @@ Reading memory-maps the file (`safe_open`) and hands out lazy `TensorView`s: ind
 reads only that slice (`get_slice`), so a sharded loader lets each device read its own
 shard. Writing goes through `io.fs`: atomic on local disks (temporary file, then a rename),
 one object on `gs://`. Library errors (a truncated or malformed file) become
-`SafetensorsError`, naming the file.
+`SafetensorsError`, naming the file, and so does a floating tensor (or slice) read with a
+NaN or Inf in it: weights never hold one, so it is a damaged file or a diverged run's.
+The format has no checksum: any other damaged value in the tensor data reads as stored.
 """
 
 from __future__ import annotations
@@ -95,10 +97,18 @@ class SafetensorsFile:
                 whole = np.zeros(shape, dtype)
                 return whole if index is None else whole[index]
             if index is None or not shape:
-                return self._file.get_tensor(name)
-            return self._file.get_slice(name)[index]
+                arr = self._file.get_tensor(name)
+            else:
+                arr = self._file.get_slice(name)[index]
         except safetensors.SafetensorError as e:
             raise SafetensorsError(f"{self.path}: tensor {name!r}: {e}") from None
+        if arr.dtype.kind == "f" or arr.dtype == ml_dtypes.bfloat16:
+            if not np.isfinite(arr.astype(np.float32, copy=False)).all():
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name!r} holds NaN or Inf values (a damaged file, "
+                    "or the weights of a diverged run)"
+                )
+        return arr
 
 
 _DTYPES = {

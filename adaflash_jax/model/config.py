@@ -12,7 +12,6 @@ model is built or loaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -28,6 +27,7 @@ from adaflash_jax.model.hf_fields import (  # noqa: F401 (ConfigError, RopeScali
     default_feature_layers,
     experts_from_hf,
     hybrid_from_hf,
+    read_json_file,
     read_rope,
 )
 
@@ -280,8 +280,7 @@ class TargetConfig:
             raise FileNotFoundError(f"target directory does not exist: {path}")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in {path}")
-        with open(cfg_path) as f:
-            return cls.from_hf_dict(json.load(f))
+        return cls.from_hf_dict(read_json_file(cfg_path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -7,6 +7,7 @@ honoured. Nothing here knows `TargetConfig`: it builds on this module.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen3_5_text", "qwen3_5_moe_text")
@@ -29,6 +30,18 @@ REFUSED = {
 
 class ConfigError(ValueError):
     """A config.json that this project cannot build a model from."""
+
+
+def read_json_file(path: str) -> Any:
+    """A config.json's content; bytes that are not UTF-8 JSON are a `ConfigError` naming
+    the file and the place."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

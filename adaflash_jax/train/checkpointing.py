@@ -12,6 +12,12 @@ Preemption: on a multi-process run, JAX's preemption service (started by
 `jax.distributed.initialize`) catches SIGTERM on any host and has every host agree on one
 step, which `CheckpointManager.reached_preemption` reports; single-process runs have no
 such service, so `PreemptionGuard` turns SIGTERM into a flag there.
+
+Faults: orbax writes a step into a temporary directory and renames it when complete, so a
+save killed halfway leaves no step (the next start resumes from the previous one, and orbax
+removes the leftover). A save that fails (an `OSError` out of the writer, raised by `save`,
+`wait` or `close`, whichever meets it first: saves are asynchronous) becomes `StorageError`,
+one line naming the directory, the step and the last complete step, which stays intact.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from adaflash_jax.io import fs
+from adaflash_jax.io.fs import StorageError
 from adaflash_jax.train.state import abstract_with_shardings
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,14 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.restored_step: int | None = None
+        self._saving: int | None = None  # the last step a save started for
+
+    def _failed(self, e: OSError, step: int | None) -> StorageError:
+        return StorageError(
+            f"a checkpoint save in {self.directory} failed at step {step} "
+            f"({type(e).__name__}: {' '.join(str(e).split())}); the last complete checkpoint, "
+            f"step {self._manager.latest_step()}, is intact"
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -69,7 +84,13 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(state), "extra": ocp.args.JsonSave(extra or {})}
         if data is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data)
-        return self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+        try:
+            started = self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+        except OSError as e:  # this save, or the previous one (asynchronous) failed
+            raise self._failed(e, step) from None
+        if started:
+            self._saving = step
+        return started
 
     def restore(self, abstract_state, shardings, step: int | None = None):
         """(state, extra) of `step` (default: latest), laid out as `shardings`."""
@@ -94,10 +115,13 @@ class Checkpointer:
         return self._manager.restore(step, args=args).data
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except OSError as e:
+            raise self._failed(e, self._saving) from None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
     def __enter__(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import jax
 from jax.sharding import Mesh
@@ -47,13 +48,21 @@ def _detected_multi_process() -> bool:
     return False
 
 
-def maybe_initialize_distributed(force: bool | None = None) -> bool:
+def maybe_initialize_distributed(
+    force: bool | None = None,
+    *,
+    init_timeout_s: int = 300,
+    heartbeat_timeout_s: int = 60,
+    shutdown_timeout_s: int = 300,
+) -> bool:
     """Calls `jax.distributed.initialize()` for multi-process runs; a no-op otherwise.
 
     force=True always initializes, force=False never does, None detects a multi-process
     launch from the environment (coordinator address, multi-host TPU, SLURM, Open MPI).
-    Returns whether this call initialized the distributed runtime. Must run before any
-    other jax call that touches devices.
+    The timeouts go to the distributed runtime (the distill config's `distributed` section;
+    docs/design.md §4.4): a process silent for `heartbeat_timeout_s` is declared lost and
+    the runtime ends every other process. Returns whether this call initialized the
+    distributed runtime. Must run before any other jax call that touches devices.
     """
     wanted = _detected_multi_process() if force is None else force
     if not wanted:
@@ -69,6 +78,52 @@ def maybe_initialize_distributed(force: bool | None = None) -> bool:
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
         )
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(
+        **kwargs,
+        initialization_timeout=init_timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        shutdown_timeout_seconds=shutdown_timeout_s,
+    )
     log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
     return True
+
+
+# What a cross-process computation raises when the process at the other end died: gloo
+# (CPU) and gRPC/coordination-service wordings. A TPU collective does not fail, it waits;
+# the runtime's heartbeat timeout then ends the process with its own message.
+PEER_LOST_MARKERS = (
+    "closed by peer",
+    "reset by peer",
+    "Socket closed",
+    "Connection refused",
+    "heartbeat",
+    "UNAVAILABLE",
+)
+PEER_LOST_EXIT = 3
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether `error`, on a multi-process run, is a cross-process computation that failed
+    because a peer process is gone."""
+    if jax.process_count() == 1:
+        return False
+    return any(m.lower() in str(error).lower() for m in PEER_LOST_MARKERS)
+
+
+def exit_on_peer_loss(error: BaseException) -> None:
+    """Ends this process at once, with one line, when `error` is a lost peer (`is_peer_loss`);
+    returns otherwise. `os._exit` skips the runtime's exit barrier, which would wait for the
+    dead peer until the heartbeat timeout and then abort with a C++ stack trace."""
+    if not is_peer_loss(error):
+        return
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    print(
+        f"stopped: process {jax.process_index()} of {jax.process_count()} lost a peer process "
+        f"(a cross-process computation failed: {first.strip()[:300]}); the other processes' "
+        "logs name the one that died; restart all of them with the same run directory to "
+        "resume from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(PEER_LOST_EXIT)
