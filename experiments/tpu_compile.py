@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--capacity", type=int, default=1024, help="--serve cache capacity")
     p.add_argument(
+        "--fills", type=_ints, default=(), help="--serve: packed verify at token buckets rows·f"
+    )
+    p.add_argument(
         "--dense-twin",
         action="store_true",
         help="a hybrid target's dense twin: every layer full attention (rollback's baseline)",
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         if args.serve:
             figs, data = session.compile_serve(
                 cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
-                overrides=sets, twin=args.dense_twin,
+                overrides=sets, twin=args.dense_twin, fills=args.fills,
             )  # fmt: skip
         else:
             figs, data = session.compile_run(

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from adaflash_jax.decode.acceptance import target_probs
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.model import DraftOutput
 from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.kv_cache import KVCache
@@ -100,21 +100,19 @@ class DraftEveryNth:
     def observe(self, outcome, state):
         return self.goodput.observe(outcome, state)
 
-    def speculate(self, state, active_B, *, buckets, switching):
+    def speculate(self, state, active_B, *, buckets, switching, token_buckets=()):
         return state.undrafted >= self.n
 
-    def probe_interval(self, state, active_B, *, buckets):
+    def probe_interval(self, state, active_B, *, buckets, token_buckets=()):
         return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)
 
 
-def always_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
+def always_accept(key, next_M, q_MxV, logits_MxV, last_M, temperature, top_p):
     """DELIBERATELY BIASED: takes every draft, bonus sampled from p. Its output follows the
     drafter, not the target; the lossless tests must reject it."""
-    b, k, _ = logits_BxKxV.shape
-    accepted_B = jnp.maximum(width_B - 1, 0).astype(jnp.int32)
-    p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
-    p_at_BxV = p_BxKxV[jnp.arange(b), accepted_B]
-    return accepted_B, jax.random.categorical(key, jnp.log(p_at_BxV), axis=-1).astype(jnp.int32)
+    p_MxV = logits_to_probs(logits_MxV, temperature, top_p)
+    bonus_M = jax.random.categorical(key, jnp.log(p_MxV), axis=-1).astype(jnp.int32)
+    return jnp.ones_like(last_M), bonus_M
 
 
 # Qwen3 / Qwen3.5's generation prompt: with enable_thinking false, an empty think block

@@ -22,6 +22,12 @@ def test_parse_method_and_errors():
     assert methods.parse_method("plain") == methods.Method()
     m = methods.parse_method("adaflash:adaflash:threshold=0,rate=1.5")
     assert m.options == (("threshold", 0), ("rate", 1.5)) and "threshold=0" in m.label
+    m = methods.parse_method("adaflash:goodput:skip_draft=False+verify=packed")
+    assert m.options == (("skip_draft", False), ("verify", "packed"))
+    bench = tb.ThroughputBench.__new__(tb.ThroughputBench)  # the option split needs no models
+    bench.settings, bench.methods = tb.BenchSettings(concurrencies=(1,)), (m,)
+    assert bench.engine_options(m) == {"verify": "packed"} and bench.packs("adaflash")
+    assert bench.policy_kwargs(m) == {"estimator": "confidence", "skip_draft": False}
     for bad in ("stage1", "x:nope", "a:fixed:novalue"):
         with pytest.raises(methods.BenchError):
             methods.parse_method(bad)

@@ -70,21 +70,31 @@ def test_producer_decomposes_the_engine_steps(monkeypatch, models):
     loop step pinned to W. A step's cost is the difference of an n-step and a 1-step call,
     so a call's own overhead (the switch cost) never lands in it."""
     step = {1: 3.0, 2: 5.5, 4: 7.0}  # per loop step, by verify width (1: the plain loop)
+    packed_step = {2: 4.5, 3: 5.0}  # per loop step, by packed fill (rows·fill tokens)
     calls = []
 
     def fake_loop_ms(engine, spec, *, steps, **_):
         calls.append(steps)
         width = 1 if engine.drafter is None else spec.buckets[-1]
         assert spec.buckets == (width,) and (width == 1 or spec.policy.name == "fixed")
+        if spec.packed:  # every row at `width` tokens: the bucket holds exactly that
+            assert spec.token_buckets == (engine.slots * width,)
+            return 4.5 + steps * packed_step[width]
         return 4.5 + steps * step[width]
 
     monkeypatch.setattr(step_cost, "_loop_ms", fake_loop_ms)
     monkeypatch.setattr(step_cost, "_draft_ms", lambda engine, **_: 2.0)
     target, drafter = models
-    table = step_cost.measure(target, drafter, rows=(2,), capacity=64, buckets=(1, 2, 4))
+    table = step_cost.measure(
+        target, drafter, rows=(2,), capacity=64, buckets=(1, 2, 4), fills=(1, 2, 3)
+    )
     assert table.rows == (2,) and table.widths == (1, 2, 4) and table.draft_ms == (2.0,)
     np.testing.assert_allclose(table.verify_ms[0], (3.0, 3.5, 5.0))
     np.testing.assert_allclose(np.asarray(table.step_ms(2, (2, 4))), (5.5, 7.0))
+    assert table.fills == (1, 2, 3)  # fill 1: every row verifies its bonus, the plain step
+    np.testing.assert_allclose(table.packed_ms[0], (3.0, 2.5, 3.0))
+    np.testing.assert_allclose(np.asarray(table.packed_step_ms(2, (2, 3))), (4.5, 5.0))
+    assert VerifyCostTable.from_json(table.to_json()) == table
     assert table.switch_ms == pytest.approx(4.5)
     assert set(calls) == {1, 7}  # (capacity 64 − 2) // (2·K) steps fit the cache
 

@@ -140,3 +140,24 @@ def test_reads_a_tpu_cost_table_of_compiler_estimates(tmp_path, capsys):
     # plain = verify[1] = the plain step; fixed W=4 = draft + verify[4] = the drafted step
     assert got["plain"]["tokens_per_s"] == pytest.approx(1000 / 10.0)
     assert got["ada/fixed"]["tokens_per_s"] == pytest.approx(1000 * 2.75 / (10 + 0.5 + 4))
+
+
+def test_packed_rule_pays_for_the_sum_of_widths():
+    """Under packed verify a step costs the token bucket B·f holding Σ w: requests of 1 and
+    4 tokens at B = 4 (Σ between 4 and 16) against the padded rule, which pays W = 4 unless
+    all four rows ask for 1."""
+    table = dict(
+        COST, fills=[1, 2, 3, 4], packed_ms=[[10.0, 11.0, 11.5, 12.0], [20.0, 24.0, 27.0, 30.0]]
+    )
+    m = cm.Measurements()
+    cost = cm.build(cm.add_table(m, cm.VerifyCostTable.from_json(table), "t"), (1, 2, 4))
+    requested, accepted = np.asarray([1, 4] * 50), np.asarray([0, 3] * 50)
+    tps, tau, fill = pj.packed_rule_tps(cost, 4, requested, accepted, draws=20000)
+    sums = np.arange(5) * 3 + 4  # k rows at 4 tokens, 4 − k at 1
+    p_k = np.asarray([1, 4, 6, 4, 1]) / 16
+    buckets = np.searchsorted([4, 8, 12, 16], sums)
+    verify = float(np.dot(p_k, np.asarray([20.0, 24.0, 27.0, 30.0])[buckets]))
+    assert tau == 2.5 and fill == pytest.approx(2.5, rel=0.02)
+    assert tps == pytest.approx(1e3 * 4 * 2.5 / (4.0 + verify), rel=0.01)
+    padded, _, _ = pj.rule_tps(cost, 4, requested, accepted, (1, 2, 4))
+    assert tps > padded

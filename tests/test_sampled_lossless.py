@@ -25,6 +25,7 @@ from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.cost_table import VerifyCostTable
+from adaflash_jax.model.packing import Packing
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
 
@@ -79,7 +80,7 @@ def _speculative(models, **kw):
     )
     results = engine.generate([(PROMPT, MAX_NEW)] * N)
     for r in results:
-        assert set(r.widths) <= set(engine.buckets)
+        assert set(r.widths) <= set(engine.buckets) or engine.spec.packed
         # requested 0 = an undrafted (plain) step of goodput's skip arm: width 1
         assert all(1 <= q <= w or q == 0 == w - 1 for q, w in zip(r.requested_widths, r.widths))
     return np.asarray([r.output_ids for r in results]), results
@@ -120,18 +121,19 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
 
 
 @pytest.mark.parametrize(
-    "policy",
+    "policy,verify",
     [
-        AdaFlashPolicy(threshold=0),
-        GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False),
-        GoodputPolicy(cost=SKIP_TABLE, probe_every=2),
+        (AdaFlashPolicy(threshold=0), "padded"),
+        (AdaFlashPolicy(threshold=0), "packed"),  # each row verifies its own tokens only
+        (GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False), "padded"),
+        (GoodputPolicy(cost=SKIP_TABLE, probe_every=2), "padded"),
         # asked between runs of undrafted steps: a 2-step buffer ends each
-        DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE, pending_steps=2), n=2),
+        (DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE, pending_steps=2), n=2), "padded"),
     ],
-    ids=["adaflash", "goodput", "goodput-skip-probing", "mixed-drafted-and-plain"],
+    ids=["adaflash", "adaflash-packed", "goodput", "goodput-skip-probing", "mixed"],
 )
-def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy):
-    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy)
+def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy, verify):
+    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy, verify=verify)
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
     undrafted = np.mean([w == 0 for w in requested])
@@ -143,19 +145,36 @@ def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy)
     assert p > P_HONEST, f"{policy.name}: sampling is no longer lossless (p={p:.2e})"
 
 
+def _rejection_rows(key, drafts_BxKm1, q_BxKm1xV, logits_BxWxV, width_B):
+    """`acceptance.accept` with the rejection rule over rows in the row layout."""
+    b, w, v = logits_BxWxV.shape
+    tokens_BxK = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts_BxKm1], axis=1)
+    return acceptance.accept(
+        acceptance.rejection_accept,
+        key,
+        Packing.dense(b, w),
+        tokens_BxK,
+        q_BxKm1xV,
+        logits_BxWxV.reshape(b * w, v),
+        width_B,
+        1.0,
+        None,
+    )
+
+
 def test_rejection_acceptance_unit():
     """Hand-checkable cases: p == q accepts everything; p = 0 at a draft rejects it and the
     bonus then comes from the residual, never the rejected token."""
-    accept = jax.jit(acceptance.rejection_accept, static_argnums=(6,))
+    accept = jax.jit(_rejection_rows)
     logits = jnp.log(jnp.array([[[0.5, 0.5, 1e-9, 1e-9]] * 3] * 5))  # [5, 3, 4]
     q = jnp.array([[[0.5, 0.5, 0.0, 0.0]] * 2] * 5)
     drafts = jnp.array([[0, 1]] * 5)
-    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 3), 1.0, None)
+    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 3))
     assert n.tolist() == [2] * 5
-    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 2), 1.0, None)
+    n, _ = accept(jax.random.key(0), drafts, q, logits, jnp.full((5,), 2))
     assert n.tolist() == [1] * 5  # capped at width − 1
     q_bad = jnp.array([[[0.0, 0.0, 1.0, 0.0]] * 2] * 5)
-    n, bonus = accept(jax.random.key(1), drafts + 2, q_bad, logits, jnp.full((5,), 3), 1.0, None)
+    n, bonus = accept(jax.random.key(1), drafts + 2, q_bad, logits, jnp.full((5,), 3))
     assert n.tolist() == [0] * 5 and set(bonus.tolist()) <= {0, 1}
 
 
@@ -164,9 +183,9 @@ def test_rejection_acceptance_without_drafts():
     plain sample from p."""
     p = jnp.array([0.1, 0.6, 0.3, 0.0])
     logits = jnp.broadcast_to(jnp.log(jnp.maximum(p, 1e-30)), (4096, 1, 4))
-    drafts, q = jnp.zeros((4096, 0), jnp.int32), jnp.zeros((4096, 0, 4))
-    n, tok = jax.jit(acceptance.rejection_accept, static_argnums=(6,))(
-        jax.random.key(3), drafts, q, logits, jnp.ones((4096,), jnp.int32), 1.0, None
+    drafts, q = jnp.zeros((4096, 0), jnp.int32), None
+    n, tok = jax.jit(_rejection_rows)(
+        jax.random.key(3), drafts, q, logits, jnp.ones((4096,), jnp.int32)
     )
     assert set(n.tolist()) == {0}
     freq = np.bincount(np.asarray(tok), minlength=4) / 4096

@@ -140,11 +140,15 @@ def test_cost_table_follows_the_engine_step_calibration():
 
     figs = [fig("plain B=1", 2.0, 1, 1), fig("draft B=1", 0.7, 1, 0)]
     figs += [fig(f"engine W={w} B=1", 2.5 + 0.1 * w, 1, w) for w in (2, 4)]
+    figs += [fig(f"packed F={f} B=1", 2.4 + 0.1 * f, 1, f) for f in (2, 3)]
     table = P.cost_table(figs, device="v5p:2x2x1", model="test")
     # step_cost's meaning: verify[1] = the plain step; draft + verify[W] = the drafted step
     assert table.widths == (1, 2, 4) and table.draft_ms == pytest.approx((0.7,))
     assert table.verify_ms[0] == pytest.approx((2.0, 2.7 - 0.7, 2.9 - 0.7))
     assert table.step_ms(1, (2,))[0] == pytest.approx(2.7, rel=1e-6)
+    # and the packed form: draft + packed[f] = the packed step at token bucket rows·f
+    assert table.fills == (1, 2, 3)
+    assert table.packed_ms[0] == pytest.approx((2.0, 2.6 - 0.7, 2.7 - 0.7))
     assert "compiler estimate" in table.device
 
 

@@ -183,6 +183,18 @@ def engine_programs(
     return out
 
 
+def packed_engine_programs(m: Models, *, slots: int, capacity: int, fills) -> list[Program]:
+    """The engine's drafted step under packed verify (docs/design.md §5.5), pinned to token
+    bucket slots·f for each fill f > 1: every row verifies f tokens."""
+    engine = _engine(m, slots, capacity, 0.0, drafted=True)
+    out = []
+    for f in fills:
+        spec = dataclasses.replace(engine.spec, buckets=(f,), token_buckets=(slots * f,))
+        p = _loop_program(m, engine, spec, f"packed F={f} B={slots}", f)
+        out.append(dataclasses.replace(p, notes=(*p.notes, f"packed verify of {slots * f}")))
+    return out
+
+
 def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) -> Program:
     """The engine's prefill of every slot at once (its first call: all slots free), prompts
     padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""

@@ -88,9 +88,10 @@ def _noted(p: Program, note: str) -> Program:
 
 
 def serve_programs(
-    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None, target=None
+    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None, target=None, fills=()
 ) -> list[Program]:
-    """Per row count: the plain step, the drafter forward, the drafted step per width > 1."""
+    """Per row count: the plain step, the drafter forward, the drafted step per width > 1,
+    and under packed verify per fill > 1 (`fills`: mean tokens per row of a token bucket)."""
     target = target or run_target(cfg)
     m = dp.models(
         target, run_drafter(cfg, target), mesh, DECODE_RULES, dtype=jnp.bfloat16,
@@ -103,6 +104,8 @@ def serve_programs(
         out.append(dp.plain_program(m, slots=b, capacity=capacity))
         out.append(dp.draft_program(m, slots=b, capacity=capacity))
         out += dp.engine_programs(m, slots=b, capacity=capacity, widths=widths)
+        fills_b = [f for f in fills if f > 1]
+        out += dp.packed_engine_programs(m, slots=b, capacity=capacity, fills=fills_b)
     return out
 
 
@@ -118,12 +121,15 @@ def cost_table(figs: list[Figures], *, device: str, model: str) -> VerifyCostTab
         raise ValueError(f"no estimate for {missing}: the compiler refused them")
     rows = sorted({f.rows for f in figs if f.program.startswith("plain")})
     widths = sorted({f.width for f in figs if f.program.startswith("engine")})
+    fills = sorted({f.width for f in figs if f.program.startswith("packed")})
     return table_from_steps(
         rows=rows,
         widths=widths,
         plain_ms=[est[f"plain B={b}"] for b in rows],
         draft_ms=[est[f"draft B={b}"] for b in rows],
         drafted_ms=[[est[f"engine W={w} B={b}"] for w in widths] for b in rows],
+        fills=fills,
+        packed_ms=[[est[f"packed F={f} B={b}"] for f in fills] for b in rows],
         device=f"{device}: {LABEL}",
         model=model,
     )

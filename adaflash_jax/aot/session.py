@@ -77,7 +77,7 @@ def compile_run(
 
 def compile_serve(
     cfg: RunConfig, sl: Slice, *, rows, capacity: int, widths=None, overrides=None,
-    log=None, twin: bool = False,
+    log=None, twin: bool = False, fills=(),
 ):  # fmt: skip
     """Decoding with the weights split over all chips (mesh (1, 1, chips), DECODE_RULES:
     a dimension the tensor axis does not divide stays whole), bf16 target and drafter."""
@@ -88,8 +88,9 @@ def compile_serve(
         )
     shape = (1, 1, sl.chips)
     progs = P.serve_programs(
-        cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths, target=target
-    )
+        cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths, target=target,
+        fills=fills,
+    )  # fmt: skip
     figs = _compile_all(progs, sl, log)
     meta = _meta(cfg, sl, shape, "serve", overrides or {})
     meta.update(capacity=capacity, rules="DECODE_RULES", dtype="bfloat16", dense_twin=twin)

@@ -40,6 +40,9 @@ def cell_record(
         cut_fraction=float(np.mean([0 < w < k for w in requested])) if requested else 0.0,
         compiles_in_timed_pass=compiles,
         probes=run["probes"],
+        # Σ w_b over the verify steps, and the tokens the target ran for them
+        verified_tokens=run.get("verified_tokens", 0),
+        computed_tokens=run.get("computed_tokens", 0),
         output_digest=hashlib.sha1(repr([r.output_ids for r in results]).encode()).hexdigest(),
     )
     if m.drafter is None:

@@ -36,6 +36,7 @@ class CostError(ValueError):
 class Measurements:
     verify: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     draft: dict[int, float] = dataclasses.field(default_factory=dict)
+    packed: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (B, fill)
     sources: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -46,6 +47,8 @@ def add_table(m: Measurements, table: VerifyCostTable, source: str) -> Measureme
             m.verify[(b, w)] = table.verify_ms[i][j]
         if table.draft_ms[i] > 0:
             m.draft[b] = table.draft_ms[i]
+        for j, f in enumerate(table.fills):
+            m.packed[(b, f)] = table.packed_ms[i][j]
     m.sources.append(source)
     return m
 
@@ -76,6 +79,8 @@ class CostModel:
     draft_rows: tuple[int, ...]
     draft_ms: tuple[float, ...]
     notes: tuple[str, ...]  # how each missing cell was filled
+    # packed verify ms per (B, fill: mean tokens per row), as measured (no filling)
+    packed_cells: dict = dataclasses.field(default_factory=dict)
 
     def _check(self, b: float, rows) -> None:
         if not rows[0] <= b <= rows[-1]:
@@ -88,6 +93,21 @@ class CostModel:
     def draft(self, b: float) -> float:
         self._check(b, self.draft_rows)
         return float(np.interp(b, self.draft_rows, self.draft_ms))
+
+    def packed_fills(self, b: float) -> tuple[int, ...]:
+        """The fills measured at every row count bracketing `b` (() without a packed form)."""
+        rows = sorted({r for r, _ in self.packed_cells})
+        if not rows or not rows[0] <= b <= rows[-1]:
+            return ()
+        near = [r for r in rows if r <= b][-1:] + [r for r in rows if r >= b][:1]
+        fills = [{f for r, f in self.packed_cells if r == n} for n in near]
+        return tuple(sorted(set.intersection(*fills)))
+
+    def packed(self, b: float, fill: int) -> float:
+        """Packed verify ms at token bucket b·fill, linear in B between measured rows."""
+        rows = sorted(r for r, f in self.packed_cells if f == fill)
+        self._check(b, rows or [math.inf])
+        return float(np.interp(b, rows, [self.packed_cells[(r, fill)] for r in rows]))
 
 
 def _nearest(rows, b):
@@ -141,6 +161,7 @@ def build(m: Measurements, widths, *, draft_ms: dict[int, float] | None = None) 
         draft_rows=d_rows,
         draft_ms=tuple(float(draft[b]) for b in d_rows),
         notes=tuple(notes),
+        packed_cells=dict(m.packed),
     )
 
 

@@ -16,6 +16,7 @@ DEFAULT_METHODS = (
     "adaflash:goodput",
 )
 POLICIES = ("fixed", "adaflash", "goodput")
+ENGINE_OPTIONS = ("verify",)  # method options for the engine, not the policy
 
 
 class BenchError(ValueError):
@@ -45,14 +46,16 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3'."""
+    """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3',
+    'adaflash:adaflash:verify=packed' (`ENGINE_OPTIONS` go to the engine); options may also
+    be joined by '+', which a comma-separated method list keeps whole."""
     parts = text.strip().split(":")
     if parts == ["plain"]:
         return Method()
     if len(parts) not in (2, 3) or not all(parts[:2]):
         raise BenchError(f"method {text!r}: expected 'plain' or DRAFTER:POLICY[:key=value,...]")
     options = []
-    for kv in parts[2].split(",") if len(parts) == 3 and parts[2] else ():
+    for kv in parts[2].replace("+", ",").split(",") if len(parts) == 3 and parts[2] else ():
         if "=" not in kv:
             raise BenchError(f"method {text!r}: option {kv!r} is not key=value")
         key, value = kv.split("=", 1)

@@ -122,6 +122,20 @@ def rule_tps(cost: CostModel, b: int, requested, accepted, buckets) -> tuple[flo
     return 1e3 * b * tau / (cost.draft(b) + verify), tau, float(np.dot(p_max, buckets))
 
 
+def packed_rule_tps(
+    cost: CostModel, b: int, requested, accepted, *, draws: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(tokens/s, τ, mean tokens per row) of per-row requests w under packed verify: the
+    step runs the smallest token bucket b·f >= Σ w over b requests (the largest if none)."""
+    fills = np.asarray(cost.packed_fills(b))
+    sums = np.random.default_rng(seed).choice(np.asarray(requested), size=(draws, b)).sum(1)
+    at = np.minimum(np.searchsorted(b * fills, sums), len(fills) - 1)
+    verify_F = np.asarray([cost.packed(b, int(f)) for f in fills])
+    tau = float(np.mean(np.asarray(accepted) + 1))
+    verify = float(np.mean(verify_F[at]))
+    return 1e3 * b * tau / (cost.draft(b) + verify), tau, float(np.mean(sums) / b)
+
+
 def project(
     cost: CostModel,
     acceptance: dict[str, Acceptance],
@@ -173,6 +187,11 @@ def project(
                     cost, b, acc.rule_requested, acc.rule_accepted, acc.buckets
                 )
                 add(b, plain, name, "adaflash", tps, tau, width, "expected bucket")
+                if cost.packed_fills(b):
+                    tps, tau, width = packed_rule_tps(
+                        cost, b, acc.rule_requested, acc.rule_accepted
+                    )
+                    add(b, plain, name, "adaflash-packed", tps, tau, width, "mean tokens/row")
     return rows
 
 

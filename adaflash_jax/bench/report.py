@@ -44,6 +44,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
             cut_fraction=sum(r["cut_fraction"] * r["verify_steps"] for r in rs) / steps,
             draft_fraction=sum(r["draft_fraction"] * r["verify_steps"] for r in rs) / steps,
             probes=sum(r["probes"] for r in rs),
+            verified_tokens=sum(r["verified_tokens"] for r in rs),
+            computed_tokens=sum(r["computed_tokens"] for r in rs),
             compiles_in_timed_pass=sum(r["compiles_in_timed_pass"] for r in rs),
             occupancy_exact=all(r["occupancy_exact"] for r in rs),
             matches_plain=all(r["matches_plain"] for r in rs),

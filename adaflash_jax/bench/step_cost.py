@@ -10,6 +10,7 @@ drafter), and the drafter's block forward. `table_from_steps` turns those into t
 
     verify_ms[W=1] = step(plain)          draft_ms = draft forward
     verify_ms[W]   = step(drafted at W) − draft_ms      (so draft + verify[W] is that step)
+    packed_ms[f]   = step(packed at B·f tokens) − draft_ms, packed_ms[1] = verify_ms[1]
     switch_ms      = call(plain, 1 step) − step(plain)  (a device call's own overhead)
 
 where step(p) = (call(p, n steps) − call(p, 1 step)) / (n − 1): a call's own overhead
@@ -48,24 +49,49 @@ def pinned_spec(engine: SpeculativeEngine, width: int):
     return dataclasses.replace(engine.spec, buckets=(width,), policy=FixedPolicy())
 
 
-def table_from_steps(
-    *, rows, widths, plain_ms, draft_ms, drafted_ms, switch_ms=0.0, device: str, model: str
-) -> VerifyCostTable:
-    """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
-    (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`."""
-    widths = tuple(int(w) for w in widths)
-    if 1 in widths:
-        raise ValueError("the drafted widths exclude 1: verify[1] is the plain step")
-    verify = [
+def pinned_packed_spec(engine: SpeculativeEngine, fill: int):
+    """The engine's loop spec under packed verify, every row at `fill` tokens: the step at
+    token bucket slots·fill."""
+    spec = pinned_spec(engine, fill)
+    return dataclasses.replace(spec, token_buckets=(engine.slots * fill,))
+
+
+def _verify_only(plain_ms, draft_ms, drafted_ms):
+    return [
         (plain, *(max(d - draft, 1e-6) for d in drafted))
         for plain, draft, drafted in zip(plain_ms, draft_ms, drafted_ms)
     ]
+
+
+def table_from_steps(
+    *,
+    rows,
+    widths,
+    plain_ms,
+    draft_ms,
+    drafted_ms,
+    switch_ms=0.0,
+    fills=(),
+    packed_ms=(),
+    device: str,
+    model: str,
+) -> VerifyCostTable:
+    """The table from per-row step costs: `plain_ms[i]`, `draft_ms[i]` and `drafted_ms[i][j]`
+    (the drafted step at `widths[j]`, every width > 1) for row count `rows[i]`; with
+    `packed_ms[i][j]`, the packed drafted step at token bucket rows[i]·fills[j] (every fill
+    > 1: fill 1 is the plain step too)."""
+    widths, fills = tuple(int(w) for w in widths), tuple(int(f) for f in fills)
+    if 1 in widths or 1 in fills:
+        raise ValueError("the drafted widths and fills exclude 1: that is the plain step")
+    packed = _verify_only(plain_ms, draft_ms, packed_ms) if fills else ()
     return VerifyCostTable(
         rows=tuple(rows),
         widths=(1, *widths),
-        verify_ms=tuple(verify),
+        verify_ms=tuple(_verify_only(plain_ms, draft_ms, drafted_ms)),
         draft_ms=tuple(draft_ms),
         switch_ms=switch_ms,
+        fills=(1, *fills) if fills else (),
+        packed_ms=tuple(packed),
         device=device,
         model=model,
     )
@@ -129,12 +155,15 @@ def measure(
     steps: int = 16,
     rounds: int = 6,
     seed: int = 0,
+    fills=(),
 ) -> VerifyCostTable:
     """The table of the engine (target, drafter, `capacity`, `buckets`, sampling mode) at each
-    row count in `rows`. Compiles, per row count, one loop program per bucket > 1, the plain
+    row count in `rows`, with the packed form at `fills` (mean tokens per row, () none).
+    Compiles, per row count, one loop program per bucket > 1 and per fill > 1, the plain
     loop and the drafter forward."""
     kw = dict(capacity=capacity, temperature=temperature, top_p=top_p, eos_ids=())
-    plain_ms, draft_ms, drafted_ms, switch = [], [], [], []
+    fills = sorted({int(f) for f in fills} - {1})
+    plain_ms, draft_ms, drafted_ms, packed_ms, switch = [], [], [], [], []
     for b in sorted(set(int(r) for r in rows)):
         spec_engine = SpeculativeEngine(target, drafter, slots=b, buckets=buckets, **kw)
         plain_engine = SpeculativeEngine(target, None, slots=b, **kw)
@@ -144,6 +173,7 @@ def measure(
         widths = [w for w in spec_engine.buckets if w > 1]
         cases = [(plain_engine, plain_engine.spec)]
         cases += [(spec_engine, pinned_spec(spec_engine, w)) for w in widths]
+        cases += [(spec_engine, pinned_packed_spec(spec_engine, f)) for f in fills]
         calls = [[] for _ in range(2 * len(cases) + 1)]  # (n steps, 1 step) per case, draft
         for r in range(rounds + 1):
             for i, (engine, spec) in enumerate(cases):
@@ -155,7 +185,8 @@ def measure(
         per_step = [max((fastest[2 * i] - fastest[2 * i + 1]) / (n - 1), 1e-3)
                     for i in range(len(cases))]  # fmt: skip
         plain_ms.append(per_step[0])
-        drafted_ms.append(per_step[1:])
+        drafted_ms.append(per_step[1 : 1 + len(widths)])
+        packed_ms.append(per_step[1 + len(widths) :])
         # a lone forward call carries its dispatch: never more than a drafted step holding it
         draft_ms.append(min([fastest[-1], *per_step[1:2]]))
         switch.append(max(fastest[1] - per_step[0], 0.0))
@@ -166,6 +197,8 @@ def measure(
         draft_ms=draft_ms,
         drafted_ms=drafted_ms,
         switch_ms=float(np.median(switch)),
+        fills=fills,
+        packed_ms=packed_ms if fills else (),
         device=device_kind(),
         model=f"{KIND} capacity {capacity} {'greedy' if temperature == 0 else 'sampled'} "
         + hashlib.sha1(model_key(target, drafter).encode()).hexdigest()[:12],
@@ -206,14 +239,18 @@ def engine_table(
     settings, else a fresh measurement (then cached). The engine's settings and goodput's
     options are checked first, on a flat table, before any compute."""
     k = max(engine_kw.get("block_size") or drafter.config.block_size, 1)
+    ones = ((1.0,) * k,)
     flat = VerifyCostTable(
-        rows=(1,), widths=range(1, k + 1), verify_ms=((1.0,) * k,), draft_ms=(0,)
-    )
+        rows=(1,), widths=range(1, k + 1), verify_ms=ones, draft_ms=(0,), fills=range(1, k + 1),
+        packed_ms=ones,
+    )  # fmt: skip
     policy = GoodputPolicy(cost=flat, **(policy_kwargs or {}))
     e = SpeculativeEngine(target, drafter, **engine_kw, policy=policy)
     settings = dict(
         capacity=e.capacity, buckets=e.buckets, temperature=e.temperature, top_p=e.top_p
     )
+    if e.spec.packed:  # the packed form at the engine's token buckets
+        settings["fills"] = tuple(p // e.slots for p in e.token_buckets)
     path = cache_path(e.target, e.drafter, rows=(e.slots,), cache_dir=cache_dir, **settings)
     if os.path.isfile(path):
         return VerifyCostTable.load(path)

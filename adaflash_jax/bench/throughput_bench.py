@@ -26,7 +26,7 @@ import jax
 
 from adaflash_jax.bench.cell import cell_record
 from adaflash_jax.bench.decode_timing import TimedPass, timed_pass, warm_up
-from adaflash_jax.bench.methods import BenchError, Method
+from adaflash_jax.bench.methods import ENGINE_OPTIONS, BenchError, Method
 from adaflash_jax.bench.report import add_ideal_speedup, aggregate
 from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.decode.build import build_engine
@@ -35,6 +35,7 @@ from adaflash_jax.decode.slots import (
     NO_ACCEPT_OUTPUT,
     SpeculativeEngine,
     has_accept_output,
+    token_bucket_set,
 )
 from adaflash_jax.decode.state import bucket_set
 from adaflash_jax.distill.shapes import slot_capacity
@@ -165,6 +166,7 @@ class ThroughputBench:
             else:
                 widths = bucket_set(self.settings.buckets, drafter.config.block_size)
                 rows = tuple(sorted(set(self.settings.concurrencies)))
+                fills = token_bucket_set(1, widths) if self.packs(name) else ()
                 t0 = time.perf_counter()
                 self.cost_tables[name] = measure(
                     self.target,
@@ -174,6 +176,7 @@ class ThroughputBench:
                     buckets=widths,
                     temperature=self.settings.temperature,
                     rounds=self.settings.repeats + 1,
+                    fills=fills,
                 )
                 self.log(
                     f"measured the step costs of {name!r}: rows {rows} x widths {widths} "
@@ -193,7 +196,17 @@ class ThroughputBench:
             kw["threshold"] = self.settings.adaflash_threshold
         if m.policy == "goodput":
             kw["estimator"] = self.settings.goodput_estimator
-        return {**kw, **dict(m.options)}
+        return {**kw, **{k: v for k, v in m.options if k not in ENGINE_OPTIONS}}
+
+    def engine_options(self, m: Method) -> dict:
+        return {k: v for k, v in m.options if k in ENGINE_OPTIONS}
+
+    def packs(self, name: str) -> bool:
+        """Some method of drafter `name` verifies packed (its table needs the packed form)."""
+        return any(
+            self.engine_options(m).get("verify") == "packed" for m in self.methods
+            if m.drafter == name
+        )  # fmt: skip
 
     def engine(self, m: Method, concurrency: int) -> SpeculativeEngine:
         key = (m, concurrency)
@@ -210,6 +223,7 @@ class ThroughputBench:
                 policy_kwargs=self.policy_kwargs(m) if drafter is not None else None,
                 temperature=self.settings.temperature,
                 seed=self.settings.seed,
+                **self.engine_options(m),
             )
         return self._engines[key]
 

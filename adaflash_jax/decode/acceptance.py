@@ -1,17 +1,22 @@
-"""Lossless acceptance of a drafted block against the target's verify logits (docs/design.md §5).
+"""Lossless acceptance of drafted blocks against the target's verify logits (docs/design.md §5).
 
-Dimensions: B rows, K block size (verify positions: the bonus token + K−1 drafts), V vocab.
+Dimensions: B rows, K block size (verify positions: the bonus token + K−1 drafts), V vocab,
+M verify tokens (the step's tokens in the packed layout, `model/packing.py`; B·W padded).
 
-Verify position i (0-based) holds the target logits after [bonus, d_1..d_i]: its prediction
-for the token draft d_{i+1} proposes. A row of requested width w_b accepts at most w_b − 1
-drafts; its new bonus comes from position n_acc. Every acceptance function has one
-signature, so tests can give the engine a deliberately biased one (`tests/doubles.py`):
+Verify position i (0-based) of a row holds the target logits after [bonus, d_1..d_i]: its
+prediction for the token draft d_{i+1} proposes. A row of requested width w_b accepts at
+most w_b − 1 drafts; its new bonus comes from position n_acc. Acceptance works per verify
+token, then per row (`accept`): a token-wise rule says whether the draft after each position
+passes and which bonus that position would give, and a row's accepted count is its leading
+run of passes. Every token-wise rule has one signature, so tests can give the engine a
+deliberately biased one (`tests/doubles.py`):
 
-    fn(key, drafts_BxKm1, q_BxKm1xV | None, logits_BxKxV, width_B, temperature, top_p)
-        -> (accepted_B int32 in [0, width_B − 1], bonus_B int32)
+    fn(key, next_M, q_MxV | None, logits_MxV, last_M, temperature, top_p)
+        -> (ok_M bool, candidate_M int32)
 
-Called in each verify branch with K = its width W; W = 1 (no drafts: the bonus from p at
-position 0) must work. top_p None: no nucleus filter (`tokens.logits_to_probs`).
+next_M: the draft after the position; q_MxV: the distribution it was sampled from (None:
+greedy, or nothing drafted); last_M: the row's last verified position (no draft to verify;
+a sampled bonus comes from p alone). top_p None: no nucleus filter (`tokens.logits_to_probs`).
 """
 
 from __future__ import annotations
@@ -22,57 +27,54 @@ import jax.numpy as jnp
 from adaflash_jax.decode.tokens import logits_to_probs
 
 
-def _accepted(ok_BxKm1, width_B) -> jax.Array:
-    """Leading run of accepted drafts per row, at most width_B − 1 [B] int32."""
-    ok_BxKm1 &= jnp.arange(ok_BxKm1.shape[1], dtype=jnp.int32)[None, :] < width_B[:, None] - 1
-    return jnp.sum(jnp.cumprod(ok_BxKm1.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+def accept(fn, key, layout, tokens_BxK, q_BxKm1xV, logits_MxV, width_B, temperature, top_p):
+    """(accepted_B int32 in [0, w_b − 1], bonus_B int32) of the rows whose verify tokens sit
+    in `layout` (a `Packing`: the packed stream, or `Packing.dense` for the row layout) with
+    their logits `logits_MxV`, under the token-wise rule `fn`. A width-0 row accepts 0."""
+    k = tokens_BxK.shape[1]
+    row_M, col_M = layout.row_M, layout.col_M
+    next_M = tokens_BxK[row_M, jnp.minimum(col_M + 1, k - 1)]
+    last_M = col_M >= jnp.minimum(width_B[row_M], layout.row_width) - 1
+    q_MxV = None if q_BxKm1xV is None or k == 1 else q_BxKm1xV[row_M, jnp.minimum(col_M, k - 2)]
+    ok_M, candidate_M = fn(key, next_M, q_MxV, logits_MxV, last_M, temperature, top_p)
+    ok_BxW = layout.unpack(ok_M & ~last_M, fill=False)
+    accepted_B = jnp.sum(jnp.cumprod(ok_BxW.astype(jnp.int32), axis=1), axis=1)
+    candidate_BxW = layout.unpack(candidate_M.astype(jnp.int32))
+    bonus_B = jnp.take_along_axis(candidate_BxW, accepted_B[:, None], axis=1)[:, 0]
+    return accepted_B.astype(jnp.int32), bonus_B
 
 
-def greedy_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
-    """Longest prefix of drafts equal to the target's argmax; bonus = argmax after it."""
-    del key, q_BxKm1xV, temperature, top_p
-    best_BxK = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)
-    accepted_B = _accepted(drafts_BxKm1 == best_BxK[:, :-1], width_B)
-    bonus_B = jnp.take_along_axis(best_BxK, accepted_B[:, None], axis=1)[:, 0]
-    return accepted_B, bonus_B
+def greedy_accept(key, next_M, q_MxV, logits_MxV, last_M, temperature, top_p):
+    """A draft passes if it is the target's argmax; the bonus is the argmax."""
+    del key, q_MxV, last_M, temperature, top_p
+    best_M = jnp.argmax(logits_MxV, axis=-1).astype(jnp.int32)
+    return next_M == best_M, best_M
 
 
-def target_probs(logits_BxKxV, temperature, top_p):
-    """The target's sampling distribution at every verify position [B, K, V]."""
-    b, k, v = logits_BxKxV.shape
-    return logits_to_probs(logits_BxKxV.reshape(b * k, v), temperature, top_p).reshape(b, k, v)
-
-
-def _residual_sample(key, p_BxV, q_BxV):
+def _residual_sample(key, p_MxV, q_MxV):
     """Draws from norm(max(0, p − q)); falls back to p where the residual has no mass (p == q
     up to rounding, so a rejection there had probability ~0)."""
-    residual_BxV = jnp.maximum(p_BxV - q_BxV, 0.0)
-    mass_B = jnp.sum(residual_BxV, axis=-1, keepdims=True)
-    dist_BxV = jnp.where(mass_B > 1e-12, residual_BxV, p_BxV)
-    return jax.random.categorical(key, jnp.log(dist_BxV), axis=-1).astype(jnp.int32)
+    residual_MxV = jnp.maximum(p_MxV - q_MxV, 0.0)
+    mass_M = jnp.sum(residual_MxV, axis=-1, keepdims=True)
+    dist_MxV = jnp.where(mass_M > 1e-12, residual_MxV, p_MxV)
+    return jax.random.categorical(key, jnp.log(dist_MxV), axis=-1).astype(jnp.int32)
 
 
-def rejection_accept(key, drafts_BxKm1, q_BxKm1xV, logits_BxKxV, width_B, temperature, top_p):
-    """Speculative sampling: accept d_i with prob min(1, p_i(d_i)/q_i(d_i)); at the first
-    rejection draw from norm(max(0, p − q)); if all w−1 drafts pass, the bonus is from p.
-    With q the distribution each draft was SAMPLED from (the same temperature/top-p as the
-    target's), every committed token is distributed as plain sampling from the target."""
-    b, k, _ = logits_BxKxV.shape
-    p_BxKxV = target_probs(logits_BxKxV, temperature, top_p)
-    p_draft_BxKm1 = jnp.take_along_axis(p_BxKxV[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0]
-    q_draft_BxKm1 = jnp.take_along_axis(q_BxKm1xV, drafts_BxKm1[..., None], axis=-1)[..., 0]
+def rejection_accept(key, next_M, q_MxV, logits_MxV, last_M, temperature, top_p):
+    """Speculative sampling: the draft passes with prob min(1, p(d)/q(d)); the bonus at the
+    first rejection is drawn from norm(max(0, p − q)), and after a row's last position (all
+    its drafts passed) from p. With q the distribution each draft was SAMPLED from (the same
+    temperature/top-p as the target's), every committed token is distributed as plain
+    sampling from the target."""
+    p_MxV = logits_to_probs(logits_MxV, temperature, top_p)
+    if q_MxV is None:  # nothing drafted: plain sampling from p
+        q_MxV = jnp.zeros_like(p_MxV)
+        last_M = jnp.ones_like(last_M)
+    p_next_M = jnp.take_along_axis(p_MxV, next_M[:, None], axis=-1)[:, 0]
+    q_next_M = jnp.take_along_axis(q_MxV, next_M[:, None], axis=-1)[:, 0]
     key_u, key_r = jax.random.split(key)
-    u_BxKm1 = jax.random.uniform(key_u, (b, k - 1))
-    ok_BxKm1 = u_BxKm1 * q_draft_BxKm1 < p_draft_BxKm1  # u < p/q without dividing by q
-    accepted_B = _accepted(ok_BxKm1, width_B)
-    rows_B = jnp.arange(b)
-    p_at_BxV = p_BxKxV[rows_B, accepted_B]
-    # A rejection happened at position `accepted` unless the row accepted all its drafts;
-    # then q is "absent" (zero) and the residual is p itself.
-    if k == 1:  # nothing drafted: plain sampling from p
-        return accepted_B, _residual_sample(key_r, p_at_BxV, jnp.zeros_like(p_at_BxV))
-    rejected_B = accepted_B < width_B - 1
-    q_at_BxV = jnp.where(
-        rejected_B[:, None], q_BxKm1xV[rows_B, jnp.minimum(accepted_B, k - 2)], 0.0
-    )
-    return accepted_B, _residual_sample(key_r, p_at_BxV, q_at_BxV)
+    ok_M = jax.random.uniform(key_u, next_M.shape) * q_next_M < p_next_M  # u < p/q, no divide
+    # a rejection happens at a position unless it is the row's last: then q is "absent"
+    # (zero) and the residual is p itself
+    q_at_MxV = jnp.where(last_M[:, None], 0.0, q_MxV)
+    return ok_M & ~last_M, _residual_sample(key_r, p_MxV, q_at_MxV)

@@ -56,6 +56,7 @@ def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
         buckets=spec.buckets,
+        token_buckets=spec.token_buckets,
     )
 
 

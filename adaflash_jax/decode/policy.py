@@ -6,8 +6,9 @@ A policy is a pure-function triple in the manner of optax's transformations (`Le
 `init` makes its state (a pytree the engine carries as one opaque `SpecState.policy_state`,
 as a train state carries `opt_state`), `widths` turns a drafter forward (`Draft`: its hidden
 states and distributions, never the sampled drafts, so sampled decoding stays lossless) into
-a requested width w_b in [1, K] per row (the bonus + w − 1 drafts; the batch runs at the
-smallest bucket >= the largest active request), and `observe` learns from what the engine
+a requested width w_b in [1, K] per row (the bonus + w − 1 drafts; padded verify runs the
+batch at the smallest bucket >= the largest active request, packed verify each row at its
+own), and `observe` learns from what the engine
 did (`Outcome`). Policies are frozen dataclasses: hashable, so they travel in the engine's
 static spec into `jax.jit`. A policy may bring its own loop programs (goodput's skip arm:
 `goodput/skip.py`); `fixed` and `adaflash` run the engine's drafted loop (`step.py`).
@@ -52,8 +53,9 @@ class Draft:
     head_accept_BxKm1: jax.Array | None  # per-position acceptance from the head, if read
     active_B: jax.Array  # bool: the slot holds an unfinished request
     num_running: jax.Array  # int32 scalar: active slots
-    # the engine's verify widths (static)
+    # the engine's verify widths, and packed verify's token buckets (() padded), static
     buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    token_buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
     @property
     def block_size(self) -> int:
@@ -85,8 +87,11 @@ class LengthPolicy(Protocol):
     # loop programs the engine switches between (the first runs first); (): its drafted loop
     programs: tuple[Program, ...]
 
-    def validate(self, *, buckets: tuple[int, ...], has_length_head: bool) -> None:
-        """Raises PolicyError for an engine it cannot serve."""
+    def validate(
+        self, *, buckets: tuple[int, ...], has_length_head: bool, fills: tuple = ()
+    ) -> None:
+        """Raises PolicyError for an engine it cannot serve (`fills`: packed verify's token
+        buckets per slot, () when padded)."""
 
     def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
         """A fresh state; `previous` is the state an earlier `generate` call ended with (a
@@ -104,7 +109,7 @@ class Stateless:
     needs_accept_head = False
     programs = ()
 
-    def validate(self, *, buckets, has_length_head):
+    def validate(self, *, buckets, has_length_head, fills=()):
         pass
 
     def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
@@ -134,7 +139,7 @@ class AdaFlashPolicy(Stateless):
     name = "adaflash"
     needs_length_head = True
 
-    def validate(self, *, buckets, has_length_head):
+    def validate(self, *, buckets, has_length_head, fills=()):
         if not has_length_head:
             raise PolicyError("the adaflash policy needs a drafter with a length head")
 

@@ -31,6 +31,9 @@ from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+# packed verify's token buckets: B × these mean tokens per row, below the widest bucket
+DEFAULT_ROW_FILLS = (1, 2, 3, 4, 6, 8, 12)
+VERIFY_LAYOUTS = ("padded", "packed")
 NO_LIMIT = 2**30
 
 
@@ -42,7 +45,7 @@ class EngineError(ValueError):
 class Result:
     output_ids: list[int]  # generated tokens, ending at (and including) an EOS if one came
     accepted: list[int]  # accepted drafts per verify step
-    widths: list[int]  # batch verify width (bucket the target ran) per step
+    widths: list[int]  # verify width per step: the batch's bucket (padded), its own (packed)
     requested_widths: list[int]  # the policy's width for this row per step (0: undrafted)
     steps: int  # verify steps (the first token comes from the prefill, not a step)
     tau: float  # mean tokens committed per verify step (accepted + 1); nan without steps
@@ -65,10 +68,19 @@ def _pow2_at_least(n: int, cap: int) -> int:  # n >= 1
     return min(1 << (n - 1).bit_length(), cap)
 
 
+def token_bucket_set(slots: int, buckets: Sequence[int], fills=DEFAULT_ROW_FILLS):
+    """Packed verify's token buckets: `slots` × each mean fill below the widest bucket, and
+    `slots` × the widest (every row at full width) last."""
+    widest = max(buckets)
+    return tuple(sorted({slots * int(f) for f in fills if 1 <= f < widest} | {slots * widest}))
+
+
 class SpeculativeEngine:
     """Speculative (or, with `drafter=None`, plain) decoding over `slots` continuous-batching
     slots. One compiled loop program per (slots, bucket set, policy, sampling mode). With
-    `rows` the slots' state is split over those mesh axes (`sharding.rows`)."""
+    `rows` the slots' state is split over those mesh axes (`sharding.rows`). `verify`:
+    "padded" runs every row at the bucket of the widest request, "packed" only each row's
+    own tokens, padded to a token bucket (`token_buckets`, default `token_bucket_set`)."""
 
     def __init__(
         self,
@@ -86,8 +98,12 @@ class SpeculativeEngine:
         eos_ids: Sequence[int] | None = None,
         acceptance: Callable | None = None,
         rows: RowLayout | None = None,
+        verify: str = "padded",
+        token_buckets: Sequence[int] | None = None,
     ):
         cfg = target.config
+        if verify not in VERIFY_LAYOUTS:
+            raise EngineError(f"verify must be one of {VERIFY_LAYOUTS}, got {verify!r}")
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
         if capacity > cfg.max_position_embeddings:
@@ -110,13 +126,25 @@ class SpeculativeEngine:
         self.target, self.drafter, self.policy = target, drafter, policy
         self.slots, self.capacity, self.block_size = slots, capacity, k
         self.buckets = bucket_set(buckets, k)
+        self.token_buckets = ()
+        if verify == "packed" and drafter is not None:
+            self.token_buckets = tuple(
+                sorted(set(map(int, token_buckets or token_bucket_set(slots, self.buckets))))
+            )
+            if self.token_buckets[0] < 1 or self.token_buckets[-1] < slots * self.buckets[-1]:
+                raise EngineError(
+                    f"token buckets {self.token_buckets} must be >= 1 and reach slots × the "
+                    f"widest bucket = {slots * self.buckets[-1]}"
+                )
         self.seed = seed
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.eos_ids = tuple(int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids))
         if drafter is not None:
             try:
                 policy.validate(
-                    buckets=self.buckets, has_length_head=drafter.length_head is not None
+                    buckets=self.buckets,
+                    has_length_head=drafter.length_head is not None,
+                    fills=tuple(p / slots for p in self.token_buckets),
                 )
             except PolicyError as e:
                 raise EngineError(str(e)) from None
@@ -125,6 +153,7 @@ class SpeculativeEngine:
         self.spec = EngineSpec(
             block_size=k,
             buckets=self.buckets,
+            token_buckets=self.token_buckets,
             greedy=self.temperature == 0.0,
             nucleus=self.top_p < 1.0,
             feature_layers=() if drafter is None else tuple(drafter.config.target_layer_ids),
@@ -185,6 +214,8 @@ class SpeculativeEngine:
             width_BxS=blank_BxS(),
             request_BxS=blank_BxS(),
             probes=jnp.zeros((), jnp.int32),
+            verified=jnp.zeros((), jnp.int32),
+            computed=jnp.zeros((), jnp.int32),
             policy_state=self.policy.init(self.policy_slots, self.learnt),
             temperature=jnp.asarray(self.temperature, jnp.float32),
             top_p=jnp.asarray(self.top_p, jnp.float32),
@@ -259,8 +290,15 @@ class SpeculativeEngine:
                 free = sorted(free + finished)
         # what the next call's policy state starts from (None: the policy keeps nothing)
         self.learnt = state.policy_state if jax.tree.leaves(state.policy_state) else None
-        # probes: drafter forwards that verified nothing
-        self.last_run = {"loop_steps": loop_steps, "probes": int(fetch(state.probes))}
+        # probes: drafter forwards that verified nothing; verified / computed: the tokens the
+        # verify steps asked for and the tokens the target ran for them
+        probes, verified, computed = map(int, fetch((state.probes, state.verified, state.computed)))
+        self.last_run = {
+            "loop_steps": loop_steps,
+            "probes": probes,
+            "verified_tokens": verified,
+            "computed_tokens": computed,
+        }
         return results
 
     def _harvest(self, state, slots, owner, results):

@@ -1,7 +1,7 @@
 """The speculative engine's state and static spec (docs/design.md §5.1).
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
-eos ids, K block size, W verify width (a bucket).
+eos ids, K block size, W verify width (a bucket), M verify tokens (a token bucket).
 
 Invariants of a live slot b: `bonus_B[b]` is the last committed token; neither its target
 K/V nor its features exist yet, so `target_cache.lengths[b]` is its position (and so is
@@ -38,9 +38,13 @@ class SpecState:
     eos_E: jax.Array  # int32 eos ids (-1 pads, never matches)
     steps_B: jax.Array  # int32 verify steps of the slot's current request
     accepted_BxS: jax.Array  # int32 accepted drafts per step, -1 past steps
-    width_BxS: jax.Array  # int32 batch verify width (bucket) per step
+    width_BxS: jax.Array  # int32 verify width per step: the batch's bucket (padded), the
+    # row's own width (packed)
     request_BxS: jax.Array  # int32 the row's requested width per step (0: undrafted)
     probes: jax.Array  # int32 scalar: drafter forwards that verified nothing (a policy's)
+    verified: jax.Array  # int32 scalar: Σ over verify steps of the active rows' widths
+    computed: jax.Array  # int32 scalar: Σ over verify steps of the tokens the target ran
+    # (B·W padded, the token bucket M packed)
     policy_state: Any  # the length policy's own pytree (`LengthPolicy.init`)
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
@@ -53,6 +57,8 @@ class EngineSpec:
 
     block_size: int  # K (1 on the plain path)
     buckets: tuple[int, ...]  # ascending verify widths within [1, K]
+    # packed verify's ascending token buckets, the last >= B·max(buckets); (): padded verify
+    token_buckets: tuple[int, ...] = ()
     greedy: bool
     nucleus: bool  # top_p < 1: sample through the sorted nucleus filter
     feature_layers: tuple[int, ...]
@@ -66,19 +72,29 @@ class EngineSpec:
         b = list(self.buckets)
         if not b or b != sorted(set(b)) or b[0] < 1 or b[-1] > self.block_size:
             raise ValueError(f"buckets {self.buckets} must ascend within [1, K={self.block_size}]")
+        p = list(self.token_buckets)
+        if p and (p != sorted(set(p)) or p[0] < 1):
+            raise ValueError(f"token buckets {self.token_buckets} must ascend from >= 1")
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.token_buckets)
 
     @property
     def prefill_spec(self) -> EngineSpec:
         """Only what the prefill depends on, so engines that differ in policy, buckets or
         acceptance share prefill programs."""
         k = self.block_size
-        return dataclasses.replace(self, buckets=(k,), policy=FixedPolicy(), acceptance=None)
+        return dataclasses.replace(
+            self, buckets=(k,), token_buckets=(), policy=FixedPolicy(), acceptance=None
+        )
 
     def top_p(self, s: SpecState):
         return s.top_p if self.nucleus else None
 
     @property
     def accept_fn(self) -> Callable:
+        """The token-wise acceptance rule (`decode/acceptance.py`)."""
         if self.acceptance is not None:
             return self.acceptance
         return acceptance.greedy_accept if self.greedy else acceptance.rejection_accept

@@ -32,7 +32,8 @@ def commit_tokens(s: SpecState, tokens_BxT, n_B, active_B) -> SpecState:
 
 
 def record(s: SpecState, active_B, accepted_B, width, request_B) -> SpecState:
-    """Appends one step's statistics to each active row's buffers."""
+    """Appends one step's statistics to each active row's buffers; `width` is the verify
+    width, one for the batch or [B]."""
     b, c = s.accepted_BxS.shape
     rows_B, at_B = jnp.arange(b), jnp.where(active_B, s.steps_B, c)
     return s.replace(
@@ -49,7 +50,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     d = draft(target, drafter, s, spec)
     width_B, policy_state = spec.policy.widths(d, s.policy_state)
-    width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.block_size), 1).astype(jnp.int32)
+    width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.buckets[-1]), 0).astype(jnp.int32)
     drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
     accepted_B, bonus_B, target_kv, context_kv, recurrent, bucket = verify(
@@ -61,7 +62,10 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
     advance_B = jnp.where(active_B, accepted_B + 1, 0)
     s = commit_tokens(s, committed_BxK, accepted_B + 1, active_B)
-    s = record(s, active_B, accepted_B, bucket, width_B)
+    s = record(s, active_B, accepted_B, width_B if spec.packed else bucket, width_B)
+    b = width_B.shape[0]
+    computed = bucket if spec.packed else b * bucket
+    s = s.replace(verified=s.verified + jnp.sum(width_B), computed=s.computed + computed)
     outcome = Outcome(verified_B=active_B, width_B=width_B, accepted_B=accepted_B)
     return s.replace(
         target_cache=s.target_cache.write(*target_kv, advance=advance_B, recurrent=recurrent),

@@ -1,18 +1,23 @@
-"""Verification of a drafted block at a bucketed width, inside one `lax.switch`.
+"""Verification of a drafted block inside one `lax.switch` over static shapes.
 
-Dimensions: B slots, K block size, W verify width (a bucket), V vocab, Kv kv heads, Dh head
-dim, nD concatenated target features.
+Dimensions: B slots, K block size, W verify width (a bucket), M packed tokens (a token
+bucket), V vocab, Kv kv heads, Dh head dim, nD concatenated target features.
 
-The target runs over [bonus, d_1..d_{W−1}] at the smallest bucket W >= the largest active
-request, one switch branch per bucket (one compiled program for every width). Each branch
-runs the target in "read" cache mode (a branch that wrote the cache would make XLA copy it
-every step; see `model/target.py`) and accepts there: the logits never leave their branch
-(padding [B, W, V] to K and accepting over K would cost as much as the forward at small
-widths). It computes the drafter-context entries of its (at most W) committable tokens too,
-and returns both caches' new entries padded to K; the step writes them after the switch.
-On a hybrid target the Gated DeltaNet layers return their per-token recurrence inputs
-instead of keys/values (`model/recurrent_state.py`), padded the same way: the write replays
-each row's accepted prefix of them, so the state ends at the row's own accepted length.
+Two layouts, an engine option (docs/design.md §5.5):
+- padded: the target runs over [bonus, d_1..d_{W−1}] of every row at the smallest bucket W
+  >= the largest active request, one switch branch per bucket;
+- packed: row b contributes its own w_b tokens (0 when inactive) to one stream padded to the
+  smallest token bucket M >= Σ w_b, one branch per token bucket. Position-wise work (the
+  projections, MLP / MoE, LM head and acceptance) costs M tokens; attention and the
+  recurrence run per row in the row layout [B, K] (`model/packing.py`).
+Each branch runs the target in "read" cache mode (a branch that wrote the cache would make
+XLA copy it every step; see `model/target.py`) and accepts there: the logits never leave
+their branch (padding them to K and accepting outside would cost as much as the forward at
+small widths). It computes the drafter-context entries of its committable tokens too, and
+returns both caches' new entries in the row layout padded to K; the step writes them after
+the switch. On a hybrid target the Gated DeltaNet layers return their per-token recurrence
+inputs instead of keys/values (`model/recurrent_state.py`), padded the same way: the write
+replays each row's accepted prefix of them, so the state ends at the row's own accepted length.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.decode.acceptance import accept
+from adaflash_jax.model.packing import Packing, to_rows
+
 
 def _pad_to(k: int, entries):
     """Per-token entries [B, W, ...] (any pytree of them) zero-padded to [B, K, ...]."""
@@ -30,31 +38,48 @@ def _pad_to(k: int, entries):
     )
 
 
+def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size, target_cache):
+    """One bucket's verify: `size` is its width W (padded) or its token count M (packed)."""
+    b, k = tokens_BxK.shape
+    if spec.packed:
+        packing = Packing.create(width_B, tokens=size, row_width=k)
+        tokens_MxT, layout = packing.pack(tokens_BxK)[:, None], packing
+    else:
+        packing, tokens_MxT, layout = None, tokens_BxK[:, :size], Packing.dense(b, size)
+    out = target(
+        tokens_MxT,
+        cache=target_cache,
+        cache_mode="read",
+        feature_layers=spec.feature_layers,
+        rows=spec.rows,
+        packing=packing,
+    )
+    ctx_kv = drafter.context_entries(s.context_cache, to_rows(packing, out.features_BxTxnD))
+    logits_MxV = out.logits_BxTxV.reshape(layout.tokens, -1).astype(jnp.float32)
+    accepted_B, bonus_B = accept(
+        spec.accept_fn,
+        key,
+        layout,
+        tokens_BxK,
+        q_BxKm1xV,
+        logits_MxV,
+        width_B,
+        s.temperature,
+        spec.top_p(s),
+    )
+    new = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv), _pad_to(k, out.new_recurrent)
+    return accepted_B, bonus_B, *new
+
+
 def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
     """Returns (accepted_B, bonus_B, the target's new (k, v) and the drafter context's, each
-    per layer [B, K, Kv, Dh] with zeros past the bucket, the target's per-layer recurrent
-    entries (() unless hybrid), and the bucket W)."""
-    k = spec.block_size
-
-    def branch(w, target_cache):
-        out = target(
-            tokens_BxK[:, :w],
-            cache=target_cache,
-            cache_mode="read",
-            feature_layers=spec.feature_layers,
-            rows=spec.rows,
-        )
-        ctx_kv = drafter.context_entries(s.context_cache, out.features_BxTxnD)
-        q_BxWm1xV = None if q_BxKm1xV is None else q_BxKm1xV[:, : w - 1]
-        logits_BxWxV = out.logits_BxTxV.astype(jnp.float32)
-        accepted_B, bonus_B = spec.accept_fn(
-            key, tokens_BxK[:, 1:w], q_BxWm1xV, logits_BxWxV, width_B, s.temperature, spec.top_p(s)
-        )
-        new = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv), _pad_to(k, out.new_recurrent)
-        return accepted_B.astype(jnp.int32), bonus_B.astype(jnp.int32), *new
-
-    buckets_NW = jnp.asarray(spec.buckets, jnp.int32)
-    bucket = jnp.sum((buckets_NW < jnp.max(width_B)).astype(jnp.int32))
-    bucket = jnp.minimum(bucket, len(spec.buckets) - 1)  # a spec pinned below K caps it
-    branches = [functools.partial(branch, w) for w in spec.buckets]
-    return (*jax.lax.switch(bucket, branches, s.target_cache), buckets_NW[bucket])
+    per layer [B, K, Kv, Dh] with zeros past a row's tokens, the target's per-layer recurrent
+    entries (() unless hybrid), and the bucket: W padded, M packed)."""
+    sizes = spec.token_buckets if spec.packed else spec.buckets
+    need = jnp.sum(width_B) if spec.packed else jnp.max(width_B)
+    sizes_N = jnp.asarray(sizes, jnp.int32)
+    bucket = jnp.sum((sizes_N < need).astype(jnp.int32))
+    bucket = jnp.minimum(bucket, len(sizes) - 1)  # a spec pinned below K caps it
+    args = (target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key)
+    branches = [functools.partial(_branch, *args, size) for size in sizes]
+    return (*jax.lax.switch(bucket, branches, s.target_cache), sizes_N[bucket])

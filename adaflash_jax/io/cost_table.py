@@ -1,12 +1,15 @@
 """The cost table: milliseconds of one engine step per (engine rows, verify width), in ONE
 JSON format (`adaflash_jax.verify_cost/1`) that goodput, the benchmark and the projection read.
 
-Dimensions: NR row counts, NW widths (verify buckets), B rows, W width.
+Dimensions: NR row counts, NW widths (verify buckets), NF fills (packed verify's mean tokens
+per row), B rows, W width.
 
 Both producers (the engine's loop programs timed, `bench/step_cost.py`; their TPU compiler
 estimates, `aot/programs.py`) decompose the steps alike (`step_cost.table_from_steps`):
 `verify_ms[·][W=1]` is the plain step, `draft_ms` the drafter's block forward, draft +
-verify[W] the drafted step at width W. Goodput reads it inside the jitted step, so the
+verify[W] the drafted step at width W. A packed form (optional) adds
+`packed_ms[·][f]`: packed verify (docs/design.md §5.5) of rows·f tokens, so draft + packed[f]
+is the drafted step at token bucket rows·f. Goodput reads it inside the jitted step, so the
 table is static data (tuples).
 """
 
@@ -33,6 +36,10 @@ class VerifyCostTable:
     # one device call's own overhead (dispatch, loop entry, host fetch): what a host switch
     # between loop programs costs (0 where unknown)
     switch_ms: float = 0.0
+    # packed verify: mean tokens per row of its token buckets (bucket M = rows·f), and the
+    # [NR][NF] ms of its verify at each (empty: the table has no packed form)
+    fills: tuple[int, ...] = ()
+    packed_ms: tuple[tuple[float, ...], ...] = ()
     device: str = "unknown"
     model: str = ""  # free-form description of the shapes measured
 
@@ -43,6 +50,15 @@ class VerifyCostTable:
         fix("verify_ms", tuple(tuple(float(x) for x in row) for row in self.verify_ms))
         fix("draft_ms", tuple(float(x) for x in self.draft_ms))
         fix("switch_ms", float(self.switch_ms))
+        fix("fills", tuple(int(f) for f in self.fills))
+        fix("packed_ms", tuple(tuple(float(x) for x in row) for row in self.packed_ms))
+        if self.fills or self.packed_ms:
+            if list(self.fills) != sorted(set(self.fills)) or not self.fills[0] >= 1:
+                raise ValueError(f"cost table fills must be ascending positive ints: {self.fills}")
+            if [len(r) for r in self.packed_ms] != [len(self.fills)] * len(self.rows):
+                raise ValueError("packed_ms must have one row per row count and one per fill")
+            if min(min(r) for r in self.packed_ms) <= 0:
+                raise ValueError("packed verify times must be positive")
         for name, xs in (("rows", self.rows), ("widths", self.widths)):
             if not xs or list(xs) != sorted(set(xs)) or xs[0] < 1:
                 raise ValueError(f"cost table {name} must be ascending positive ints: {xs}")
@@ -75,6 +91,15 @@ class VerifyCostTable:
         """Draft + verify ms at each width in `widths` for `num_rows` active rows [NW]."""
         return self.verify_step_ms(num_rows, widths) + self.draft_step_ms(num_rows)
 
+    def packed_step_ms(self, num_rows, fills: tuple[int, ...]) -> jax.Array:
+        """Draft + packed verify ms at each fill in `fills` (token bucket rows·f) [NF]."""
+        cols = [self.fills.index(f) for f in fills]
+        packed_NRxNF = jnp.asarray(self.packed_ms, jnp.float32)[:, jnp.asarray(cols)]
+        verify_NF = jax.vmap(lambda col_NR: self._in_rows(num_rows, col_NR), in_axes=1)(
+            packed_NRxNF
+        )
+        return verify_NF + self.draft_step_ms(num_rows)
+
     def at_rows(self, rows: int) -> VerifyCostTable:
         """The one-row table of a measured row count (an engine's step costs the same however
         many of its slots are active)."""
@@ -82,11 +107,18 @@ class VerifyCostTable:
             raise ValueError(f"cost table has rows {self.rows}, not {rows}")
         i = self.rows.index(rows)
         one = dict(rows=(rows,), verify_ms=(self.verify_ms[i],), draft_ms=(self.draft_ms[i],))
+        if self.fills:
+            one["packed_ms"] = (self.packed_ms[i],)
         return dataclasses.replace(self, **one)
 
     def verify(self, rows: int, width: int) -> float:
         """Host lookup of the measured verify ms (interpolated in rows)."""
         col = [r[self.widths.index(width)] for r in self.verify_ms]
+        return float(np.interp(rows, self.rows, col))
+
+    def packed(self, rows: int, fill: int) -> float:
+        """Host lookup of the packed verify ms at token bucket rows·fill (interpolated)."""
+        col = [r[self.fills.index(fill)] for r in self.packed_ms]
         return float(np.interp(rows, self.rows, col))
 
     # ---- JSON ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from adaflash_jax.model.delta_rule import (
     recurrent_form,
 )
 from adaflash_jax.model.layers import Dense
+from adaflash_jax.model.packing import to_rows, to_tokens
 from adaflash_jax.model.recurrent_state import RecurrentEntries, RecurrentState, shift_history
 
 
@@ -90,12 +91,17 @@ class GatedDeltaNet(nnx.Module):
             value_dim=self.value_dim,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, advance_B=None):
+    def __call__(
+        self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, advance_B=None, packing=None
+    ):
         """Same shape as the attention layer's call; `cache` is this layer's RecurrentState.
-        Returns (output [B, T, D], the new state ("write"), the entries ("read") or None)."""
-        b, t, _ = x_BxTxD.shape
+        Returns (output [B, T, D], the new state ("write"), the entries ("read") or None).
+        With a `packing` ("read" mode), x is the packed stream [M, 1, D]: the projections
+        run there, the conv and the recurrence per row in the row layout [B, W, ...], where
+        the entries return."""
+        qkv_BxTxX = to_rows(packing, self.in_proj_qkv(x_BxTxD))
+        b, t, _ = qkv_BxTxX.shape
         state = self.init_state(b) if cache is None else cache
-        qkv_BxTxX = self.in_proj_qkv(x_BxTxD)
         mixed_BxTxX = causal_conv(state.history_BxA1xX, qkv_BxTxX, self.conv1d[...][:, 0])
         kd = self.key_heads * self.key_dim
         repeat = self.heads // self.key_heads
@@ -104,8 +110,9 @@ class GatedDeltaNet(nnx.Module):
         v_BxTxJxDv = mixed_BxTxX[..., 2 * kd :].reshape(b, t, self.heads, self.value_dim)
         q_BxTxJxDk = jnp.repeat(l2_normalize(q), repeat, axis=2)
         k_BxTxJxDk = jnp.repeat(l2_normalize(k), repeat, axis=2)
-        beta_BxTxJ = jax.nn.sigmoid(self.in_proj_b(x_BxTxD).astype(jnp.float32))
-        a_BxTxJ = self.in_proj_a(x_BxTxD).astype(jnp.float32)
+        beta = jax.nn.sigmoid(self.in_proj_b(x_BxTxD).astype(jnp.float32))
+        beta_BxTxJ = to_rows(packing, beta)
+        a_BxTxJ = to_rows(packing, self.in_proj_a(x_BxTxD).astype(jnp.float32))
         decay_J = jnp.exp(self.A_log[...].astype(jnp.float32))
         g_BxTxJ = -decay_J * jax.nn.softplus(a_BxTxJ + self.dt_bias[...].astype(jnp.float32))
         entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
@@ -126,6 +133,8 @@ class GatedDeltaNet(nnx.Module):
             out_BxTxJxDv, final = chunked_form(*form_args, chunk=self.chunk)
         if cache is not None and lengths_B is None:
             new = RecurrentState(shift_history(state.history_BxA1xX, qkv_BxTxX, n_B), final)
-        z_BxTxJxDv = self.in_proj_z(x_BxTxD).reshape(b, t, self.heads, self.value_dim)
-        normed = self.norm(out_BxTxJxDv.astype(self.dtype), z_BxTxJxDv)
-        return self.out_proj(normed.reshape(b, t, -1)), new
+        out = to_tokens(packing, out_BxTxJxDv)
+        lead = x_BxTxD.shape[:2]  # (B, T), or (M, 1) packed
+        z = self.in_proj_z(x_BxTxD).reshape(*lead, self.heads, self.value_dim)
+        normed = self.norm(out.astype(self.dtype), z)
+        return self.out_proj(normed.reshape(*lead, -1)), new

@@ -44,6 +44,7 @@ from adaflash_jax.model.layers import (
     normal_init,
 )
 from adaflash_jax.model.moe import MoEBlock
+from adaflash_jax.model.packing import Packing, to_rows, to_tokens
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 CACHE_MODES = ("write", "read")
@@ -78,15 +79,27 @@ class Attention(AttentionProjections):
             zero_centered_norms=cfg.is_hybrid,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv=None, lengths_B=None, _=None):
+    def __call__(
+        self,
+        x_BxTxD,
+        positions_BxT,
+        mask_BxTxS,
+        cache_kv=None,
+        lengths_B=None,
+        _=None,
+        packing=None,
+    ):
         """Without `cache_kv`: attention over x under the mask. With the layer's cache
         (k, v) and `mask_BxTxS` ("write" mode): writes the new entries and attends over the
         written cache, returning the updated (k, v). With the cache and the committed
         `lengths_B` instead of a mask ("read" mode): attends over [cache ; new] without
-        writing, returning the new (k, v) in the cache dtype. The last argument (a row's
-        committed count, which a recurrent mixer needs) is unused: the lengths commit."""
+        writing, returning the new (k, v) in the cache dtype. The sixth argument (a row's
+        committed count, which a recurrent mixer needs) is unused: the lengths commit. With
+        a `packing` ("read" mode), x is the packed stream [M, 1, D]: the projections run
+        there, the attention per row in the row layout, and (k, v) return in it [B, W, ...]."""
         q, gate = self.gated_queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
+        q, k, v = (to_rows(packing, a) for a in (q, k, v))
         if cache_kv is None:
             return self.output(attend(q, k, v, mask_BxTxS), gate), None
         cache_k, cache_v = cache_kv
@@ -97,7 +110,7 @@ class Attention(AttentionProjections):
             return self.output(out, gate), (k_all, v_all)
         k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
         out = attend_cached(q, cache_k, cache_v, lengths_B, k.astype(q.dtype), v.astype(q.dtype))
-        return self.output(out, gate), (k, v)
+        return self.output(to_tokens(packing, out), gate), (k, v)
 
 
 class DecoderLayer(nnx.Module):
@@ -124,10 +137,21 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, mask, cache=None, lengths_B=None, advance_B=None, rows=None):
+    def __call__(
+        self,
+        x,
+        positions,
+        mask,
+        cache=None,
+        lengths_B=None,
+        advance_B=None,
+        rows=None,
+        packing=None,
+    ):
         """`cache`: this layer's (k, v) or RecurrentState; returns (x, its new cache part)."""
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
-        mixed, new = mixer(self.input_layernorm(x), positions, mask, cache, lengths_B, advance_B)
+        h = self.input_layernorm(x)
+        mixed, new = mixer(h, positions, mask, cache, lengths_B, advance_B, packing)
         x = x + mixed
         h = self.post_attention_layernorm(x)
         x = x + (self.mlp(h, rows) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -233,6 +257,7 @@ class TargetLM(nnx.Module):
         feature_layers: Sequence[int] = (),
         compute_logits: bool = True,
         rows: RowLayout | None = None,
+        packing: Packing | None = None,
     ) -> TargetOutput:
         """Runs T new tokens per row.
 
@@ -242,7 +267,9 @@ class TargetLM(nnx.Module):
         `num_new_B[b]` is written but left uncommitted. "read" mode leaves the cache alone
         and returns the new entries (`new_kv`). `rows` keeps the activations' rows split over
         those mesh axes (FSDP: weights are gathered, activations never are); a MoE layer
-        routes each row shard's tokens on its own chip.
+        routes each row shard's tokens on its own chip. With a `packing` ("read" mode only),
+        `tokens_BxT` is the packed stream [M, 1] (`model/packing.py`): logits and features
+        come back packed [M, 1, ...], the new entries in the row layout [B, W, ...].
         """
         b, t = tokens_BxT.shape
         feature_layers = tuple(feature_layers)
@@ -254,12 +281,16 @@ class TargetLM(nnx.Module):
                 )
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+        if packing is not None and (cache is None or cache_mode != "read"):
+            raise ValueError("packed tokens verify against a cache in read mode")
         if segment_ids_BxT is not None and self.config.is_hybrid:
             raise ValueError("packed segments would share a recurrent state: unpack for hybrids")
         advance_B = None if num_new_B is None else num_new_B.astype(jnp.int32)
         lengths_B = mask_BxTxS = None
         if cache is not None:
-            positions_BxT = cache.positions(t)
+            positions_BxT = (
+                cache.positions(t) if packing is None else packing.positions(cache.lengths)[:, None]
+            )
             if cache_mode == "read":
                 lengths_B = cache.lengths
             else:
@@ -276,7 +307,9 @@ class TargetLM(nnx.Module):
         features, ks, vs, states = {}, [], [], []
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layer(i) if cache is not None else None
-            x, new = layer(x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, advance_B, rows)
+            x, new = layer(
+                x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, advance_B, rows, packing
+            )
             x = constrain_rows(rows, x, b)
             recurrent = layer.linear_attn is not None
             k_new, v_new = (None, None) if recurrent or new is None else new

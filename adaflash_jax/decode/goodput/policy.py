@@ -1,13 +1,17 @@
 """The goodput length policy (`LengthPolicy`) and its acceptance estimators (docs/design.md §5.4).
 
-Dimensions: B slots, K block size, NW widths (the verify buckets), V vocab, U deferred
-context positions, nD concatenated target features.
+Dimensions: B slots, K block size, NW widths (the verify buckets), NM packed verify's token
+buckets, V vocab, U deferred context positions, nD concatenated target features.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
 step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
 estimates a_i (the chance draft i is accepted, drafts < i accepted: the drafter's top
 probability, "confidence"; the constant rate the length head's r implies, "length_head"; or
-the head's acceptance output, "head"), step_ms the cost table's draft + verify time.
+the head's acceptance output, "head"), step_ms the cost table's draft + verify time. Under
+packed verify (a step costs its token bucket M, not B × the widest row) it picks a width per
+row: for each M, the M − n extra tokens of n active rows go to the largest increments
+Π_{j<=i} a_j over all rows (optimal: each row's increments shrink with i), and the M with
+the most tokens per ms of the table's packed form wins.
 
 With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain step
 (width 1, no drafter forward) runs instead when its rate beats drafting's best, judged from
@@ -146,7 +150,13 @@ class GoodputPolicy:
     def programs(self):
         return (skip.undrafted_loop, skip.drafted_loop) if self.skip_draft else ()
 
-    def validate(self, *, buckets, has_length_head):
+    def validate(self, *, buckets, has_length_head, fills=()):
+        unknown = [f for f in fills if f not in self.cost.fills]
+        if unknown:
+            raise PolicyError(
+                f"packed verify's token buckets per slot {tuple(fills)} need the cost table's "
+                f"packed form at each; it has fills {self.cost.fills}, missing {unknown}"
+            )
         missing = [w for w in buckets if w not in self.cost.widths]
         if missing:
             raise PolicyError(
@@ -199,11 +209,48 @@ class GoodputPolicy:
         num_running = jnp.sum(active_B.astype(jnp.int32))
         return total_NW / (self.cost.step_ms(num_running, buckets) + extra_ms)
 
+    def _packed_options(self, a_BxKm1, log_gamma, active_B, token_buckets, extra_ms=0.0):
+        """Packed verify: per token bucket M [NM], the expected committed tokens per ms when
+        the active rows share M tokens, each row's extra tokens going to the largest width
+        increments over all rows; with the extra-token budget per M [NM] and each (row, width
+        increment)'s rank among them [B, K−1] (rank < budget: taken)."""
+        b = active_B.shape[0]
+        by_width_BxK = accepted_by_width(calibrated(a_BxKm1, log_gamma))
+        inc_BxKm1 = jnp.where(active_B[:, None], jnp.diff(by_width_BxK, axis=1), -1.0)
+        order = jnp.argsort(-inc_BxKm1.reshape(-1))
+        sorted_N = jnp.maximum(inc_BxKm1.reshape(-1)[order], 0.0)
+        best_sums = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_N)])
+        n = jnp.sum(active_B.astype(jnp.int32))
+        tokens_NM = jnp.asarray(token_buckets, jnp.int32)
+        budget_NM = jnp.clip(tokens_NM - n, 0, sorted_N.shape[0])
+        fills = tuple(p // b for p in token_buckets)
+        rate_NM = (n + best_sums[budget_NM]) / (self.cost.packed_step_ms(n, fills) + extra_ms)
+        rank_BxKm1 = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+        return rate_NM, budget_NM, rank_BxKm1.reshape(inc_BxKm1.shape)
+
+    def _best_rate(self, a_BxKm1, log_gamma, active_B, buckets, token_buckets, extra_ms=0.0):
+        """The best drafted step's expected committed tokens per ms (scalar)."""
+        if token_buckets:
+            rate_NM, _, _ = self._packed_options(
+                a_BxKm1, log_gamma, active_B, token_buckets, extra_ms
+            )
+            return jnp.max(rate_NM)
+        return jnp.max(self._tokens_per_ms(a_BxKm1, log_gamma, active_B, buckets, extra_ms))
+
     def widths(self, draft: Draft, state):
         a_BxKm1 = accept_probs(draft, self.estimator)
         log_gamma = state.log_gamma_B if self.skip_draft else 0.0
-        best = jnp.argmax(self._tokens_per_ms(a_BxKm1, log_gamma, draft.active_B, draft.buckets))
-        width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
+        if draft.token_buckets:
+            rate_NM, budget_NM, rank_BxKm1 = self._packed_options(
+                a_BxKm1, log_gamma, draft.active_B, draft.token_buckets
+            )
+            taken_BxKm1 = rank_BxKm1 < budget_NM[jnp.argmax(rate_NM)]
+            width_B = 1 + jnp.sum(taken_BxKm1.astype(jnp.int32), axis=1)
+        else:
+            best = jnp.argmax(
+                self._tokens_per_ms(a_BxKm1, log_gamma, draft.active_B, draft.buckets)
+            )
+            width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
         return width_B, state.refreshed(a_BxKm1, draft.active_B) if self.skip_draft else state
 
     def observe(self, outcome: Outcome, state):
@@ -234,35 +281,35 @@ class GoodputPolicy:
         return state
 
     # ---- the skip arm's decisions (skip.py asks them between steps) ----------------------
-    def _rates(self, state, active_B, buckets, switching: bool):
+    def _rates(self, state, active_B, buckets, token_buckets, switching: bool):
         """(best drafted, plain) expected committed tokens per ms over the active rows."""
         extra_ms = self.cost.switch_ms / self.switch_horizon if switching else 0.0
-        drafted_NW = self._tokens_per_ms(
-            state.est_BxKm1, state.log_gamma_B, active_B, buckets, extra_ms
+        drafted = self._best_rate(
+            state.est_BxKm1, state.log_gamma_B, active_B, buckets, token_buckets, extra_ms
         )
         num_running = jnp.sum(active_B.astype(jnp.int32))
-        return jnp.max(drafted_NW), num_running / self.cost.verify_step_ms(num_running, (1,))[0]
+        return drafted, num_running / self.cost.verify_step_ms(num_running, (1,))[0]
 
-    def speculate(self, state, active_B, *, buckets, switching: bool):
+    def speculate(self, state, active_B, *, buckets, switching: bool, token_buckets=()):
         """Whether the next step drafts (bool scalar): drafting's best expected tokens per ms,
         from the rows' latest estimates, beats a plain step. From the undrafted program
         (`switching`) each drafted step is charged its share of the host switch over
         `switch_horizon` steps, so marginal gains do not flip programs back and forth
         (charging one step the whole switch kept goodput from ever drafting)."""
-        drafted_rate, plain_rate = self._rates(state, active_B, buckets, switching)
+        drafted_rate, plain_rate = self._rates(state, active_B, buckets, token_buckets, switching)
         return drafted_rate > plain_rate
 
-    def drafting_gain(self, state, active_B, *, buckets):
+    def drafting_gain(self, state, active_B, *, buckets, token_buckets=()):
         """Best drafted / plain rate from the undrafted program (switch included): > 1 where it
         would start drafting (float32 scalar; 0 with no active row)."""
-        drafted, plain = self._rates(state, active_B, buckets, True)
+        drafted, plain = self._rates(state, active_B, buckets, token_buckets, True)
         return jnp.where(plain > 0, drafted / jnp.maximum(plain, 1e-9), 0.0)
 
-    def probe_interval(self, state, active_B, *, buckets) -> jax.Array:
+    def probe_interval(self, state, active_B, *, buckets, token_buckets=()) -> jax.Array:
         """Undrafted steps before the next probe (int32 scalar)."""
         if self.probe_every is not None:
             return jnp.asarray(self.probe_every, jnp.int32)
-        gain = self.drafting_gain(state, active_B, buckets=buckets)
+        gain = self.drafting_gain(state, active_B, buckets=buckets, token_buckets=token_buckets)
         return self.interval_at_gain(gain, jnp.sum(active_B.astype(jnp.int32)))
 
     def interval_at_gain(self, gain, num_running) -> jax.Array:

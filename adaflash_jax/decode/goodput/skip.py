@@ -36,7 +36,11 @@ UNDRAFTED, DRAFTED = 0, 1  # program indices: GoodputPolicy.programs
 def wants_draft(s, spec, switching: bool):
     """Whether the policy drafts next; `switching`: asked from the undrafted program."""
     return spec.policy.speculate(
-        s.policy_state, ~s.done_B, buckets=spec.buckets, switching=switching
+        s.policy_state,
+        ~s.done_B,
+        buckets=spec.buckets,
+        switching=switching,
+        token_buckets=spec.token_buckets,
     )
 
 
@@ -122,7 +126,9 @@ def _between_runs(target, drafter, s, spec):
         _probe_due(s), lambda: small(probe(target, drafter, s, spec)), lambda: small(s)
     )
     p = p.replace(pending_BxUxnD=s.policy_state.pending_BxUxnD)
-    interval = spec.policy.probe_interval(p, ~s.done_B, buckets=spec.buckets)
+    interval = spec.policy.probe_interval(
+        p, ~s.done_B, buckets=spec.buckets, token_buckets=spec.token_buckets
+    )
     return s.replace(probes=probes, policy_state=p.replace(probe_due_at=interval))
 
 

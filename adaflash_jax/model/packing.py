@@ -1,0 +1,85 @@
+"""Packed verification's two layouts of one step's tokens (docs/design.md §5.5).
+
+Dimensions: B rows, W row width (the most tokens a row may verify), M packed tokens (a
+static bucket >= Σ w_b).
+
+Row b verifies its first w_b tokens (w_b = 0: none). In the packed layout they sit at
+[start_b, start_b + w_b) of one M-token stream, padding after Σ w_b; the target runs its
+position-wise work there (projections, MLP / MoE, the LM head), as M rows of one token. Token
+mixing runs in the row layout [B, W], each row over its own window: attention over its cache
+and its new tokens, the recurrence of a Gated DeltaNet. `unpack` and `pack` move between the
+two with one gather of B·W or M entries; nothing indexes a cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Packing:
+    row_M: jax.Array  # int32: the row a packed token belongs to (padding: the last row)
+    col_M: jax.Array  # int32: its column in that row (padding: clamped into [0, W))
+    valid_M: jax.Array  # bool: false on padding
+    slot_BxW: jax.Array  # int32: the packed index of row b's column j; M where j >= w_b
+
+    @classmethod
+    def create(cls, width_B, tokens: int, row_width: int) -> Packing:
+        """Rows of `width_B` tokens packed in order into `tokens` (M >= Σ width_B) slots."""
+        width_B = width_B.astype(jnp.int32)
+        end_B = jnp.cumsum(width_B)
+        start_B = end_B - width_B
+        p_M = jnp.arange(tokens, dtype=jnp.int32)
+        row_M = jnp.minimum(jnp.searchsorted(end_B, p_M, side="right"), width_B.shape[0] - 1)
+        j_W = jnp.arange(row_width, dtype=jnp.int32)
+        return cls(
+            row_M=row_M.astype(jnp.int32),
+            col_M=jnp.clip(p_M - start_B[row_M], 0, row_width - 1),
+            valid_M=p_M < end_B[-1],
+            slot_BxW=jnp.where(j_W[None] < width_B[:, None], start_B[:, None] + j_W[None], tokens),
+        )
+
+    @classmethod
+    def dense(cls, rows: int, row_width: int) -> Packing:
+        """Every row at the full width: the row layout read as a stream of B·W tokens."""
+        p_M = np.arange(rows * row_width, dtype=np.int32)
+        return cls(
+            row_M=jnp.asarray(p_M // row_width),
+            col_M=jnp.asarray(p_M % row_width),
+            valid_M=jnp.ones(p_M.shape, bool),
+            slot_BxW=jnp.asarray(p_M.reshape(rows, row_width)),
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.row_M.shape[0]
+
+    @property
+    def row_width(self) -> int:
+        return self.slot_BxW.shape[1]
+
+    def positions(self, lengths_B) -> jax.Array:
+        """[M] int32: each packed token's absolute position (its row's length + column)."""
+        return lengths_B[self.row_M] + self.col_M
+
+    def pack(self, x_BxWx):
+        """Row layout [B, W, ...] → packed [M, ...] (padding takes some row's last column)."""
+        return x_BxWx[self.row_M, self.col_M]
+
+    def unpack(self, x_Mx, fill=0):
+        """Packed [M, ...] → row layout [B, W, ...], `fill` past each row's width."""
+        return jnp.take(x_Mx, self.slot_BxW, axis=0, mode="fill", fill_value=fill)
+
+
+def to_rows(packing: Packing | None, x_Mx1x):
+    """A layer's packed activations [M, 1, ...] in the row layout [B, W, ...]; without a
+    packing they are in it already."""
+    return x_Mx1x if packing is None else packing.unpack(x_Mx1x[:, 0])
+
+
+def to_tokens(packing: Packing | None, x_BxWx):
+    """The row layout [B, W, ...] back to the packed activations [M, 1, ...]."""
+    return x_BxWx if packing is None else packing.pack(x_BxWx)[:, None]
