@@ -14,14 +14,9 @@ from flax import nnx
 
 from adaflash_jax.distill import losses, steps
 from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded, new_train_state
-from adaflash_jax.drafter.checkpoint import (
-    ACCEPT_FILE,
-    ACCEPT_KEY,
-    ACCEPT_PREFIX,
-    load_drafter,
-    save_drafter,
-)
+from adaflash_jax.drafter.checkpoint import ACCEPT_PREFIX, load_drafter, save_drafter
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM, DrafterConfig, LengthHeadConfig
+from adaflash_jax.drafter.hf_config import ACCEPT_FILE, ACCEPT_KEY
 from adaflash_jax.drafter.length_head import LengthHead, confidence_features
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file

@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.drafter.checkpoint import (
-    HEAD_PREFIX,
-    config_from_hf,
-    load_drafter,
-    save_drafter,
-)
+from adaflash_jax.drafter.checkpoint import HEAD_PREFIX, load_drafter, save_drafter
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.hf_config import config_from_hf
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.checkpoint import CheckpointError, save_target

@@ -32,8 +32,8 @@ from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.model.presets import PRESETS as TARGET_PRESETS  # noqa: F401 - re-exported
 from adaflash_jax.model.presets import target_preset  # noqa: F401 - re-exported
-from adaflash_jax.plan.params import MESH_AXES, DrafterShape
-from adaflash_jax.train.mesh_shape import fill_mesh
+from adaflash_jax.plan.params import DrafterShape
+from adaflash_jax.train.mesh_shape import AXES, fill_mesh
 
 # A run config's training attention as the planner models it: the block-sparse path never
 # holds the dense [N·K, S + N·K] scores, which is what "fused" leaves out.
@@ -127,9 +127,9 @@ class PlanInputs:
 def resolve_mesh(mesh: Any, devices: int | None) -> tuple[int, int, int]:
     """(data, fsdp, tensor) from a tuple/dict/object; a single -1 is filled from `devices`."""
     if isinstance(mesh, Mapping):
-        sizes = [mesh.get(a, 1) for a in MESH_AXES]
+        sizes = [mesh.get(a, 1) for a in AXES]
     elif hasattr(mesh, "data") and hasattr(mesh, "fsdp"):
-        sizes = [getattr(mesh, a, 1) for a in MESH_AXES]
+        sizes = [getattr(mesh, a, 1) for a in AXES]
     else:
         sizes = list(mesh)
     return fill_mesh(sizes, devices)

@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from adaflash_jax.model.config import ConfigError, TargetConfig
 from adaflash_jax.sharding.rules import Rules, logical_to_spec
-
-MESH_AXES = ("data", "fsdp", "tensor")
+from adaflash_jax.train.mesh_shape import AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +241,7 @@ def drafter_params(shape: DrafterShape) -> list[ParamSpec]:
 
 def mesh_like(mesh: Sequence[int] | Mapping[str, int]):
     """A stand-in with the `.shape` mapping `logical_to_spec` reads; no devices involved."""
-    shape = dict(mesh) if isinstance(mesh, Mapping) else dict(zip(MESH_AXES, mesh, strict=True))
+    shape = dict(mesh) if isinstance(mesh, Mapping) else dict(zip(AXES, mesh, strict=True))
     return types.SimpleNamespace(shape=shape)
 
 
