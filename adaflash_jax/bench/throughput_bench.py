@@ -26,7 +26,7 @@ import jax
 
 from adaflash_jax.bench.cell import cell_record
 from adaflash_jax.bench.decode_timing import TimedPass, timed_pass, warm_up
-from adaflash_jax.bench.methods import ENGINE_OPTIONS, BenchError, Method
+from adaflash_jax.bench.methods import BenchError, Method
 from adaflash_jax.bench.report import add_ideal_speedup, aggregate
 from adaflash_jax.bench.step_cost import measure
 from adaflash_jax.decode.build import build_engine

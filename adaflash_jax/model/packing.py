@@ -25,6 +25,8 @@ class Packing:
     col_M: jax.Array  # int32: its column in that row (padding: clamped into [0, W))
     valid_M: jax.Array  # bool: false on padding
     slot_BxW: jax.Array  # int32: the packed index of row b's column j; M where j >= w_b
+    # every row at the full width (`dense`): pack and unpack are reshapes, no gathers
+    full: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(cls, width_B, tokens: int, row_width: int) -> Packing:
@@ -51,6 +53,7 @@ class Packing:
             col_M=jnp.asarray(p_M % row_width),
             valid_M=jnp.ones(p_M.shape, bool),
             slot_BxW=jnp.asarray(p_M.reshape(rows, row_width)),
+            full=True,
         )
 
     @property
@@ -67,10 +70,14 @@ class Packing:
 
     def pack(self, x_BxWx):
         """Row layout [B, W, ...] → packed [M, ...] (padding takes some row's last column)."""
+        if self.full:
+            return x_BxWx.reshape(-1, *x_BxWx.shape[2:])
         return x_BxWx[self.row_M, self.col_M]
 
     def unpack(self, x_Mx, fill=0):
         """Packed [M, ...] → row layout [B, W, ...], `fill` past each row's width."""
+        if self.full:
+            return x_Mx.reshape(*self.slot_BxW.shape, *x_Mx.shape[1:])
         return jnp.take(x_Mx, self.slot_BxW, axis=0, mode="fill", fill_value=fill)
 
 
