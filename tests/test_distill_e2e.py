@@ -190,3 +190,31 @@ def test_init_from_plain_dflash_export(micro, capsys):
         np.asarray(plain.fc.kernel[...], np.float32),
         atol=1e-2,  # the export is bf16
     )
+
+
+def test_sampled_and_positional_tau_in_the_report(micro):
+    """The optional evaluations on an untrained run (no training compiles): sampled τ per
+    temperature next to greedy τ (its "0" is the greedy table), τ by block position on the
+    long-response set, both in report.json, sampled τ in tau.png."""
+    config, root = micro
+    run_dir = str(root / "run_extra")
+    args = ["--config", config, "--run-dir", run_dir, "--stage1-steps", "0", "--rounds", "0"]
+    args += ["--head-steps", "0", "--no-progress", "--set", "stage2.methods=('adaflash',)"]
+    args += ["--set", "eval.temperatures=(0, 1.0)", "--set", "eval.long_new_tokens=40"]
+    assert cli.main([*args, "--set", "eval.long_per_domain=1"]) == 0
+    with open(os.path.join(run_dir, "report.json")) as f:
+        report = json.load(f)
+    sampled = report["tau_sampled"]
+    assert list(sampled) == ["0", "1"] and sampled["0"] == report["tau"]
+    for per_domain in sampled["1"].values():
+        assert set(per_domain) == {"code", "chat"}
+        assert all(1.0 <= t <= 4.0 for t in per_domain.values())
+    assert set(report["summary_sampled"]["1"]["adaflash"]) == {"mean", "cv"}
+    assert report["long_set"] == {"prompts": 2, "new_tokens": 40, "domains": ["code", "chat"]}
+    for by_position in report["tau_by_position"].values():
+        steps = by_position["steps"]
+        assert list(steps) == ["0-128", "128-256", "256-512", "512+"]
+        # 2 prompts of <= 12 tokens + 40 new tokens (EOS ignored): every block below 128
+        assert steps["0-128"] >= 2 * 40 / 4 and sum(steps.values()) == steps["0-128"]
+        assert 1.0 <= by_position["tau"]["0-128"] <= 4.0
+    assert "evaluate_extra" in report["stage_seconds"]
