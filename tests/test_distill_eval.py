@@ -219,17 +219,19 @@ def _trainer(tmp_path, models, collect_temperature):
     return trainer, params
 
 
-def _collected_counts(tmp_path, models, collect_temperature):
-    """Stage 2's round-0 buffer (`Trainer.collected`, the run's collection path) → counts of
-    response positions 0..NEW−1, [NEW, V]."""
+def _collected(tmp_path, models, collect_temperature, rounds=(0,)):
+    """Stage 2's buffers of `rounds` (`Trainer.collected`, the run's collection path), all
+    from the same drafter → per round (response tokens [N, NEW], τ)."""
     trainer, params = _trainer(tmp_path, models, collect_temperature)
     pool = Stage2Pool([PROMPT] * N, np.zeros(N, np.int32), ("a",))
-    data = trainer.collected("adaflash", 0, params, pool)
-    start = len(PROMPT)
-    assert data.loss_mask[:, start : start + NEW].all()
-    assert data.visited is not None and (data.visited[:, 0] == start).all()
-    tokens_NxM = data.tokens[:, start : start + NEW]
-    return tokens_NxM, data.meta["tau"]["a"]
+    out = []
+    for r in rounds:
+        data = trainer.collected("adaflash", r, params, pool)
+        start = len(PROMPT)
+        assert data.loss_mask[:, start : start + NEW].all()
+        assert data.visited is not None and (data.visited[:, 0] == start).all()
+        out.append((data.tokens[:, start : start + NEW], data.meta["tau"]["a"]))
+    return out
 
 
 def _counts(tokens_NxM):
@@ -240,11 +242,13 @@ def test_sampled_collection_follows_the_targets_sampled_distribution(tmp_path, m
     target, _ = models
     plain = generate(target, [PROMPT] * N, max_new_tokens=NEW, temperature=TEMPERATURE, seed=1)
     plain_counts = _counts(np.asarray(plain))
-    tokens, tau = _collected_counts(tmp_path / "sampled", models, TEMPERATURE)
+    (tokens, tau), (again, _) = _collected(tmp_path / "sampled", models, TEMPERATURE, (0, 1))
     assert tau > 1.1, "drafts must be accepted for the check to cover speculation"
     p = chi_square_p(plain_counts, _counts(tokens))
     assert p > P_HONEST, f"sampled collection differs from the target's sampling (p={p:.2e})"
+    # each round samples from its own stream: the same prompts, another text
+    assert np.mean(np.any(tokens != again, axis=1)) > 0.5
     # the test's power: a collection that ignored the temperature (greedy) is caught
-    greedy, _ = _collected_counts(tmp_path / "greedy", models, 0.0)
+    [(greedy, _)] = _collected(tmp_path / "greedy", models, 0.0)
     p = chi_square_p(plain_counts, _counts(greedy))
     assert p < P_BIASED, f"the test failed to catch greedy collection (p={p:.2e})"

@@ -299,7 +299,11 @@ class Trainer:
             )
         else:
             prompts = [pool.prompt_ids[i] for i in rows]
-            sub, trajs = self.engine_rollouts(params, prompts, pool.domain[rows], pool.domains)
+            # a sampled collection draws round r's text from its own stream (seed, r)
+            seed = self.cfg.seed + 1000 * (r + 1)
+            sub, trajs = self.engine_rollouts(
+                params, prompts, pool.domain[rows], pool.domains, seed=seed
+            )
         data = collect.with_visited(sub, trajs)
         data = dataclasses.replace(data, meta={**data.meta, "round": r})
         if jax.process_index() == 0:
@@ -307,7 +311,7 @@ class Trainer:
         return data
 
     def engine_rollouts(self, params, prompt_ids, domain_ids, domains, temperature=None,
-                        slots=None):  # fmt: skip
+                        slots=None, seed=None):  # fmt: skip
         from flax import nnx
 
         s2 = self.cfg.stage2
@@ -322,7 +326,7 @@ class Trainer:
             max_new_tokens=self.cfg.data.max_new_tokens,
             slots=slots,
             temperature=temp,
-            seed=self.cfg.seed,
+            seed=self.cfg.seed if seed is None else seed,
             eos_ids=self.ctx.eos_ids,
             rows=RowLayout.of(self.mesh, TRAIN_RULES, slots),  # slots split over chips
         )
