@@ -66,7 +66,9 @@ def _check_export(path):
 def test_full_micro_pipeline(micro):
     config, root = micro
     run_dir = str(root / "run")
-    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    args = ["--config", config, "--run-dir", run_dir, "--no-progress"]
+    args += ["--set", "eval.head_calibration=True"]  # after head init and every round
+    assert cli.main(args) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert set(report["tau"]) == {"stage1", "adaflash", "sft", "stage1_long"}
@@ -108,10 +110,18 @@ def test_full_micro_pipeline(micro):
         assert tag in tags, tag
     for tag in ("head_init/accept_bce", "stage2_adaflash/accept_bce"):
         assert np.all(np.isfinite([v for _, v in scalars[tag]])), (tag, scalars[tag])
+    points = ["head_init", "stage2_adaflash_round0", "stage2_adaflash_round1"]
+    points += ["stage2_sft_round0", "stage2_sft_round1", "head_init_stage1_long"]
+    calibration = report["head_calibration"]
+    assert list(calibration) == points
+    for entry in calibration.values():
+        assert entry["blocks"] > 0 and 0 <= entry["mse"] <= 1 and 0 <= entry["width_exact"] <= 1
+        assert 1 <= entry["realised_len"] <= 4 and 0 < entry["predicted_len"] < 4
     # a rerun resumes: every stage restores from its final checkpoint, same τ
-    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    assert cli.main(args) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         again = json.load(f)
+    assert again["head_calibration"] == calibration  # the saved points, read back
     for method, per_domain in report["tau"].items():
         for domain, t in per_domain.items():
             np.testing.assert_allclose(again["tau"][method][domain], t)

@@ -3,6 +3,7 @@
 
 - sampled τ is the engine's own τ for those requests, and temperature 0 is the greedy table;
 - τ by position pools each verify step into the bucket of its block's first position;
+- the length head's calibration entries (predicted against realised length, widths);
 - stage 2's engine collection at `stage2.collect_temperature` > 0 stores text distributed
   as the target's sampled text: a χ² test against plain sampling, as
   tests/test_sampled_lossless.py does, and a greedy collection fails it.
@@ -19,6 +20,7 @@ from test_sampled_lossless import P_BIASED, P_HONEST, chi_square_p
 
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.slots import SpeculativeEngine
+from adaflash_jax.distill import calibration
 from adaflash_jax.distill import evaluation as E
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.collect import Trajectory
@@ -177,6 +179,49 @@ def test_long_eval_prompts_are_the_longest_documents():
         mine = [r["prompt"] for r in got if r["domain"] == d]
         text = {x.prompt: len(x.text) for x in docs if x.domain == d}
         assert [text[p] for p in mine] == lengths[:2]
+
+
+# ---- the length head's calibration ---------------------------------------------------------
+
+
+def test_head_calibration_entries():
+    """K = 4: r·K against A + 1 per block, the serving widths at rate 1.3 and 1."""
+    trajs = [
+        Trajectory(np.arange(3), np.array([0, 3, 1]), np.array([0.25, 0.5, 0.5])),
+        Trajectory(np.arange(1), np.array([3]), np.array([1.0])),
+    ]
+    got = calibration.head_calibration(trajs, 4)
+    # predicted r·K = 1, 2, 2, 4; realised A + 1 = 1, 4, 2, 4; y = 0.25, 1, 0.5, 1
+    assert got["blocks"] == 4
+    assert got["mse"] == pytest.approx((0 + 0.25 + 0 + 0) / 4)
+    assert got["predicted_len"] == 2.25 and got["realised_len"] == 2.75
+    assert got["mae_len"] == pytest.approx(0.5)
+    # widths at rate 1.3: round(1.3) = 1, round(2.6) = 3, 3, clamp(5.2) = 4
+    assert got["width_exact"] == 0.5 and got["width_covers"] == 0.75
+    assert got["width_exact_rate1"] == 0.75  # widths 1, 2, 2, 4
+    assert got["by_predicted"] == {
+        "1": {"blocks": 1, "realised_len": 1.0},
+        "2": {"blocks": 2, "realised_len": 3.0},
+        "4": {"blocks": 1, "realised_len": 4.0},
+    }
+    assert got["corr"] == pytest.approx(np.corrcoef([0.25, 0.5, 0.5, 1], [0.25, 1, 0.5, 1])[0, 1])
+    assert calibration.head_calibration([], 4) == {"blocks": 0}
+    with pytest.raises(ValueError, match="head_r"):
+        calibration.head_calibration([Trajectory(np.arange(1), np.array([0]))], 4)
+    text = R.calibration_table({"head_init": got})
+    assert "head_init" in text and "0.062" in text  # the mse, 0.0625
+
+
+def test_calibration_points_follow_the_runs_training_order():
+    cfg = RunConfig(stage2=Stage2Spec(rounds=2, methods=("adaflash", "stage1_long", "sft")))
+    assert calibration.expected_points(cfg) == [
+        "head_init",
+        "stage2_adaflash_round0",
+        "stage2_adaflash_round1",
+        "head_init_stage1_long",
+        "stage2_sft_round0",
+        "stage2_sft_round1",
+    ]
 
 
 # ---- stage 2 collection at temperature -------------------------------------------------------

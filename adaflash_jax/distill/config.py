@@ -231,7 +231,8 @@ class EvalSpec:
     `temperatures` also measures τ with sampled decoding at each (the engine's rejection
     sampling, the drafter sampled at the same temperature, seeded by `seed`; 0 is the greedy
     table); `long_new_tokens` > 0 decodes a long-response prompt set (`long_per_domain`
-    prompts per domain) greedily to that many tokens and reports τ by the block's position.
+    prompts per domain) greedily to that many tokens and reports τ by the block's position;
+    `head_calibration` measures the length head against the blocks it would size.
     """
 
     backend: str = "replay"
@@ -239,6 +240,9 @@ class EvalSpec:
     temperatures: tuple[float, ...] = ()
     long_new_tokens: int = 0  # 0: no τ by position
     long_per_domain: int = 4
+    # the length head's predicted vs realised accepted length on the held-out blocks, after
+    # head init and after every stage-2 round (distill/calibration.py)
+    head_calibration: bool = False
 
     def __post_init__(self):
         _positive("eval", self, "slots", "long_per_domain")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.distill import calibration
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
@@ -207,6 +208,9 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     t = mark("stage1", t)
     params = trainer.head_init(params, data.train)
     t = mark("head_init", t)
+    if cfg.eval.head_calibration:  # the length head against the held-out blocks
+        trainer.calibration_data = data.eval
+        calibration.measure(trainer, params, "head_init")
     finals = {"stage1": params}
     collect_tau = {}
     for method in cfg.stage2.methods:
@@ -215,6 +219,7 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
             # head as stage 1's. Equal total training steps to each stage-2 method.
             long = trainer.stage1(start, data.train, name=method, total=stage1_long_steps(cfg))
             finals[method] = trainer.head_init(long, data.train, name=f"head_init_{method}")
+            calibration.measure(trainer, finals[method], f"head_init_{method}")
         else:
             finals[method], collect_tau[method] = trainer.stage2(method, params, data.pool)
         t = mark(f"stage2_{method}", t)
@@ -257,6 +262,8 @@ def data_issues(ctx: Context, data: Datasets) -> dict:
 def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     tau = results["tau"]
     extra = results["extra_tau"]
+    if ctx.cfg.eval.head_calibration:
+        extra = {**extra, "head_calibration": calibration.collected(ctx)}
     report = {
         "tau": tau,
         "summary": R.summarise(tau),

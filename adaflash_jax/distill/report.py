@@ -116,9 +116,29 @@ def position_table(by_method: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+CALIBRATION_COLUMNS = ("blocks", "mse", "predicted_len", "realised_len", "corr", "width_exact",
+                       "width_covers")  # fmt: skip
+
+
+def calibration_table(points: dict[str, dict]) -> str:
+    """One row per calibration point (distill/calibration.py): the pooled entries."""
+    rows = [["point", *CALIBRATION_COLUMNS]]
+    for point, entry in points.items():
+        cells = [f"{entry.get(c, math.nan):.3f}" for c in CALIBRATION_COLUMNS[1:]]
+        rows.append([point, str(entry.get("blocks", 0)), *cells])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
 def extra_tables(extra: dict) -> str:
-    """The printed form of the optional τ entries ("" when there are none)."""
+    """The printed form of the optional entries ("" when there are none)."""
     out = ""
+    if extra.get("head_calibration"):
+        out += "\nlength head calibration (held-out blocks)\n"
+        out += f"{calibration_table(extra['head_calibration'])}\n"
     for t, table_t in extra.get("tau_sampled", {}).items():
         if t != "0":
             out += f"\nτ at temperature {t} (sampled, seeded)\n{table(table_t)}\n"

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from adaflash_jax.distill import collect, steps
+from adaflash_jax.distill import calibration, collect, steps
 from adaflash_jax.distill.batches import SequenceData, batch_iterator
 from adaflash_jax.distill.config import STAGE2_OBJECTIVE, RunConfig
 from adaflash_jax.distill.context import Context
@@ -131,6 +131,8 @@ class Trainer:
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
         self.skipped: dict[str, int] = {}  # stage → non-finite steps skipped
+        # held-out set the length head's calibration is measured on (None: not measured)
+        self.calibration_data: SequenceData | None = None
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -267,6 +269,7 @@ class Trainer:
                 if extra.get("round") == r:  # resumed mid-round: the round's data position
                     ckpt.restore_data(it)
                 state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
+                calibration.measure(self, state.params, f"{name}_round{r}")
         return state.params, taus
 
     # ---- on-policy data --------------------------------------------------------------------
