@@ -181,6 +181,22 @@ def test_long_eval_prompts_are_the_longest_documents():
         assert [text[p] for p in mine] == lengths[:2]
 
 
+def test_long_prompts_of_a_run():
+    """The embedded target's long set is its longest held-out documents' prompts; a target of
+    the run's own uses its eval prompts; `eval.long_per_domain` of each domain either way."""
+    from adaflash_jax import embedded
+    from adaflash_jax.distill import prompts as P
+
+    cfg = RunConfig(eval=EvalSpec(long_per_domain=2), data=DataSpec(domains=("code", "math")))
+    ctx = _context(cfg, eval_prompts=[])
+    want = [r["prompt"] for r in embedded.long_eval_prompts(2) if r["domain"] in ("code", "math")]
+    assert [p.text for p in E.long_prompts(ctx)] == want
+    own = P.from_records([{"domain": d, "prompt": f"{d} {i}"} for d in "ab" for i in range(3)])
+    cfg = RunConfig(target_path="/nonexistent", eval=EvalSpec(long_per_domain=2))
+    got = E.long_prompts(_context(cfg, eval_prompts=own))
+    assert [p.domain for p in got] == ["a", "a", "b", "b"] and set(got) <= set(own)
+
+
 # ---- the length head's calibration ---------------------------------------------------------
 
 
@@ -229,6 +245,24 @@ def test_calibration_points_follow_the_runs_training_order():
 N, PROMPT, NEW = 2048, [3, 1, 4, 1, 5], 4
 
 
+def _context(cfg, *, run_dir="", drafter_cfg=None, eval_prompts=()) -> Context:
+    """A resolved run of `cfg` on the test target, built by hand (no target directory)."""
+    return Context(
+        cfg=cfg,
+        run_dir=run_dir,
+        target_dir="",
+        target_cfg=CFG,
+        tokenizer=None,
+        drafter_cfg=drafter_cfg,
+        mesh_shape=(1, 1, 1),
+        eos_ids=(),
+        pad_id=0,
+        train_prompts=[],
+        eval_prompts=list(eval_prompts),
+        progress=False,
+    )
+
+
 def _trainer(tmp_path, models, collect_temperature):
     """A Trainer on one device whose stage 2 collects with the engine at the temperature."""
     target, drafter = models
@@ -244,20 +278,7 @@ def _trainer(tmp_path, models, collect_temperature):
         ),
         seed=2,
     )
-    ctx = Context(
-        cfg=cfg,
-        run_dir=str(tmp_path),
-        target_dir="",
-        target_cfg=CFG,
-        tokenizer=None,
-        drafter_cfg=drafter.config,
-        mesh_shape=(1, 1, 1),
-        eos_ids=(),
-        pad_id=0,
-        train_prompts=[],
-        eval_prompts=[],
-        progress=False,
-    )
+    ctx = _context(cfg, run_dir=str(tmp_path), drafter_cfg=drafter.config)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     d_graph, params = nnx.split(drafter)
     trainer = Trainer(ctx, mesh, nnx.split(target), d_graph, writer=None, guard=None)
