@@ -89,15 +89,13 @@ def point_path(trainer, point: str) -> str:
 def measure(trainer, params, point: str) -> dict | None:
     """The calibration of `params` at `point` ("head_init", "stage2_adaflash_round0", ...) on
     `trainer.calibration_data`, saved under the run directory; None when the run does not
-    measure it. A point already saved (a resumed run) is read back, not measured again."""
+    measure it. Every process measures (the replay is one SPMD program), whatever a resumed
+    run's directory already holds; process 0 writes."""
     from adaflash_jax.distill.stages import REPLAY_BATCH
 
     data = trainer.calibration_data
     if data is None:
         return None
-    path = point_path(trainer, point)
-    if fs.exists(path):
-        return json.loads(fs.read_text(path))
     dc, cfg = trainer.ctx.drafter_cfg, trainer.cfg
     trajectories = collect.replay(
         (trainer.d_graph, params),
@@ -113,7 +111,7 @@ def measure(trainer, params, point: str) -> dict | None:
     )
     entry = head_calibration(trajectories, dc.block_size)
     if trainer.ctx.is_main:
-        fs.write_text(path, json.dumps(entry, indent=2))
+        fs.write_text(point_path(trainer, point), json.dumps(entry, indent=2))
     return entry
 
 
