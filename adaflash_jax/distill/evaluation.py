@@ -42,14 +42,14 @@ def tau_by_position(
     """{"tau": {bucket: τ}, "steps": {bucket: verify steps}}: a step belongs to the bucket
     holding its anchor (the block's first position), [lo, hi); τ is nan for an empty bucket.
     Anchors below the first edge belong to no bucket."""
-    edges_E = np.asarray(edges, np.int64)
-    if np.any(np.diff(edges_E) <= 0):
+    lower = np.asarray(edges, np.int64)
+    if np.any(np.diff(lower) <= 0):
         raise ValueError(f"bucket edges must increase: {tuple(edges)}")
     anchors_T = np.concatenate([np.asarray(t.anchors, np.int64) for t in trajectories] or [[]])
     committed_T = np.concatenate(
         [np.asarray(t.accepted, np.int64) + 1 for t in trajectories] or [[]]
     )
-    bucket_T = np.searchsorted(edges_E, anchors_T, side="right") - 1
+    bucket_T = np.searchsorted(lower, anchors_T, side="right") - 1
     tau, steps = {}, {}
     for i, name in enumerate(bucket_names(edges)):
         mine_T = bucket_T == i
