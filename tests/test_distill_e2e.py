@@ -228,3 +228,4 @@ def test_sampled_and_positional_tau_in_the_report(micro):
         assert steps["0-128"] >= 2 * 40 / 4 and sum(steps.values()) == steps["0-128"]
         assert 1.0 <= by_position["tau"]["0-128"] <= 4.0
     assert "evaluate_extra" in report["stage_seconds"]
+    assert set(report["extra_seconds"]) == {"sampled", "by_position"}

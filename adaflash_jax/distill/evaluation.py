@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -190,13 +191,16 @@ def position_tau(trainer, params, prompt_ids: Sequence[Sequence[int]]) -> dict:
 
 def extra_evaluations(ctx, trainer, finals, greedy, eval_data, eval_ids) -> dict:
     """report.json's optional τ entries: "tau_sampled" (`eval.temperatures`) and
-    "tau_by_position" with its "long_set" (`eval.long_new_tokens` > 0); {} when neither is
-    configured."""
+    "tau_by_position" with its "long_set" (`eval.long_new_tokens` > 0), and "extra_seconds";
+    {} when neither is configured."""
     cfg = ctx.cfg
-    out = {}
+    out, seconds = {}, {}
+    t0 = time.perf_counter()
     if cfg.eval.temperatures:
         measure = functools.partial(sampled_tau, trainer, eval_data, eval_ids)
         out["tau_sampled"] = sampled_tables(finals, cfg.eval.temperatures, greedy, measure)
+        seconds["sampled"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
     if cfg.eval.long_new_tokens:
         prompts = long_prompts(ctx)
         ids = P.encode(
@@ -212,4 +216,7 @@ def extra_evaluations(ctx, trainer, finals, greedy, eval_data, eval_ids) -> dict
             "new_tokens": cfg.eval.long_new_tokens,
             "domains": list(dict.fromkeys(p.domain for p in prompts)),
         }
+        seconds["by_position"] = round(time.perf_counter() - t0, 2)
+    if seconds:
+        out["extra_seconds"] = seconds  # each extra's wall time, compiles included
     return out
