@@ -179,8 +179,10 @@ class Stage2Spec:
     clip_norm: float = 1.0
     alpha: float = 0.8
     tau: float = 0.01  # clips KL/Nw per sequence: a cap of τ·Nw nats (see losses.py)
-    temperature: float = 1.0
-    collect_temperature: float = 0.0  # 0: greedy collection (lossless → target's own text)
+    temperature: float = 1.0  # the loss's KL temperature T; collection's is the next field
+    # 0: greedy collection (lossless → the target's own text); > 0 (engine collector): the
+    # engine samples at it, as a deployment would (docs/design.md §4.2)
+    collect_temperature: float = 0.0
     collect_slots: int = 16  # engine collector: rows decoded together
     methods: tuple[str, ...] = ("adaflash", "sft")  # each runs its own rounds, same compute
     # "response": uniform over the response (reference); "visited": only the block starts
