@@ -127,3 +127,15 @@ def eval_prompts(domain: str | None = None, preset: str = "tiny") -> list[dict[s
 def train_prompts(domain: str | None = None, preset: str = "tiny") -> list[dict[str, str]]:
     """Training-split {"domain", "prompt"} records, e.g. for distillation rollouts."""
     return _prompts("train", domain, preset)
+
+
+def long_eval_prompts(per_domain: int, preset: str = "tiny") -> list[dict[str, str]]:
+    """Held-out {"domain", "prompt"} records whose documents are the longest of their domain,
+    `per_domain` per domain, longest first (ties by key): the long-response prompt set of τ by
+    position (distill/evaluation.py)."""
+    out = []
+    for domain in DOMAINS:
+        docs = [d for d in _corpus(preset).docs(domain, "eval") if d.prompt]
+        docs.sort(key=lambda d: (-len(d.text), d.key))
+        out += [{"domain": d.domain, "prompt": d.prompt} for d in docs[:per_domain]]
+    return out

@@ -117,3 +117,37 @@ def test_engine_collection_matches_replay():
         capped = np.minimum(got.accepted, end - got.anchors)  # the engine's last step may overrun
         assert got.anchors.tolist() == want.anchors.tolist()
         assert capped.tolist() == want.accepted.tolist()
+
+
+def test_replay_with_the_head_gives_each_blocks_r():
+    """`replay(head=True)` records, per step, the length head's r of the block drafted there:
+    the head over the training path's states of a block at that anchor. The steps are those
+    of a replay without the head."""
+    target = TargetLM(TARGET, rngs=nnx.Rngs(3))
+    cfg = DrafterConfig.for_target(
+        TARGET, mask_token_id=4, num_layers=1, block_size=K, target_layer_ids=LAYERS,
+        length_head=True,
+    )  # fmt: skip
+    drafter = Drafter(cfg, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 4, n).tolist() for n in (5, 7)]
+    responses = [rng.integers(0, 4, NEW).tolist() for _ in prompts]
+    data = build_sequences(prompts, responses, [0, 0], seq_len=24, pad_id=0, domains=("a",))
+    args = (nnx.split(drafter), nnx.split(target), data)
+    kw = dict(block_size=K, feature_layers=LAYERS, span=NEW, batch_size=2, progress=False)
+    plain = collect.replay(*args, **kw)
+    headed = collect.replay(*args, **kw, head=True)
+    out = target(jnp.asarray(data.tokens), feature_layers=LAYERS, compute_logits=False)
+    for row, (a, b) in enumerate(zip(plain, headed)):
+        assert a.head_r is None and a.anchors.tolist() == b.anchors.tolist()
+        assert a.accepted.tolist() == b.accepted.tolist()
+        anchors_1xN = jnp.asarray(b.anchors)[None]
+        hidden = drafter.train_hidden(
+            out.features_BxTxnD[row : row + 1],
+            jnp.asarray(data.tokens[row : row + 1]),
+            anchors_1xN,
+            jnp.ones_like(anchors_1xN, bool),
+            target.embedding_VxD(),
+        )
+        want = drafter.length_head(hidden[0])
+        np.testing.assert_allclose(b.head_r, np.asarray(want), rtol=1e-5, atol=1e-6)

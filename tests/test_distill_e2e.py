@@ -66,7 +66,9 @@ def _check_export(path):
 def test_full_micro_pipeline(micro):
     config, root = micro
     run_dir = str(root / "run")
-    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    args = ["--config", config, "--run-dir", run_dir, "--no-progress"]
+    args += ["--set", "eval.head_calibration=True"]  # after head init and every round
+    assert cli.main(args) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert set(report["tau"]) == {"stage1", "adaflash", "sft", "stage1_long"}
@@ -108,10 +110,18 @@ def test_full_micro_pipeline(micro):
         assert tag in tags, tag
     for tag in ("head_init/accept_bce", "stage2_adaflash/accept_bce"):
         assert np.all(np.isfinite([v for _, v in scalars[tag]])), (tag, scalars[tag])
+    points = ["head_init", "stage2_adaflash_round0", "stage2_adaflash_round1"]
+    points += ["stage2_sft_round0", "stage2_sft_round1", "head_init_stage1_long"]
+    calibration = report["head_calibration"]
+    assert list(calibration) == points
+    for entry in calibration.values():
+        assert entry["blocks"] > 0 and 0 <= entry["mse"] <= 1 and 0 <= entry["width_exact"] <= 1
+        assert 1 <= entry["realised_len"] <= 4 and 0 < entry["predicted_len"] < 4
     # a rerun resumes: every stage restores from its final checkpoint, same τ
-    assert cli.main(["--config", config, "--run-dir", run_dir, "--no-progress"]) == 0
+    assert cli.main(args) == 0
     with open(os.path.join(run_dir, "report.json")) as f:
         again = json.load(f)
+    assert again["head_calibration"] == calibration  # the saved points, read back
     for method, per_domain in report["tau"].items():
         for domain, t in per_domain.items():
             np.testing.assert_allclose(again["tau"][method][domain], t)
@@ -190,3 +200,32 @@ def test_init_from_plain_dflash_export(micro, capsys):
         np.asarray(plain.fc.kernel[...], np.float32),
         atol=1e-2,  # the export is bf16
     )
+
+
+def test_sampled_and_positional_tau_in_the_report(micro):
+    """The optional evaluations on an untrained run (no training compiles): sampled τ per
+    temperature next to greedy τ (its "0" is the greedy table), τ by block position on the
+    long-response set, both in report.json, sampled τ in tau.png."""
+    config, root = micro
+    run_dir = str(root / "run_extra")
+    args = ["--config", config, "--run-dir", run_dir, "--stage1-steps", "0", "--rounds", "0"]
+    args += ["--head-steps", "0", "--no-progress", "--set", "stage2.methods=('adaflash',)"]
+    args += ["--set", "eval.temperatures=(0, 1.0)", "--set", "eval.long_new_tokens=40"]
+    assert cli.main([*args, "--set", "eval.long_per_domain=1"]) == 0
+    with open(os.path.join(run_dir, "report.json")) as f:
+        report = json.load(f)
+    sampled = report["tau_sampled"]
+    assert list(sampled) == ["0", "1"] and sampled["0"] == report["tau"]
+    for per_domain in sampled["1"].values():
+        assert set(per_domain) == {"code", "chat"}
+        assert all(1.0 <= t <= 4.0 for t in per_domain.values())
+    assert set(report["summary_sampled"]["1"]["adaflash"]) == {"mean", "cv"}
+    assert report["long_set"] == {"prompts": 2, "new_tokens": 40, "domains": ["code", "chat"]}
+    for by_position in report["tau_by_position"].values():
+        steps = by_position["steps"]
+        assert list(steps) == ["0-128", "128-256", "256-512", "512+"]
+        # 2 prompts of <= 12 tokens + 40 new tokens (EOS ignored): every block below 128
+        assert steps["0-128"] >= 2 * 40 / 4 and sum(steps.values()) == steps["0-128"]
+        assert 1.0 <= by_position["tau"]["0-128"] <= 4.0
+    assert "evaluate_extra" in report["stage_seconds"]
+    assert set(report["extra_seconds"]) == {"sampled", "by_position"}

@@ -4,7 +4,7 @@ is compiled: each names the offending field, so a run fails at once rather than 
 from __future__ import annotations
 
 from adaflash_jax.distill.config import RunConfig
-from adaflash_jax.distill.shapes import run_mesh
+from adaflash_jax.distill.shapes import run_mesh, slot_capacity
 from adaflash_jax.model.config import ConfigError, TargetConfig
 
 
@@ -23,6 +23,17 @@ def check_runtime(
             f"stage2.collect_slots {cfg.stage2.collect_slots} is not divisible by the "
             f"data axis {mesh[0]}"
         )
+    e = cfg.eval
+    if e.slots % mesh[0] and (e.backend == "engine" or any(e.temperatures) or e.long_new_tokens):
+        raise ConfigError(f"eval.slots {e.slots} is not divisible by the data axis {mesh[0]}")
+    if e.long_new_tokens:
+        need = slot_capacity(cfg.data.max_prompt_len, e.long_new_tokens, cfg.draft.block_size)
+        if need > target.max_position_embeddings:
+            raise ConfigError(
+                f"eval.long_new_tokens {e.long_new_tokens} needs a cache of {need} positions "
+                f"(prompt {cfg.data.max_prompt_len} + response + a block), beyond the target's "
+                f"max_position_embeddings {target.max_position_embeddings}"
+            )
     if mask_token_id is None:
         raise ConfigError(
             "draft.mask_token_id is not set and the target's tokenizer declares no mask "

@@ -41,6 +41,7 @@ from adaflash_jax.distill.shapes import slot_capacity
 class Trajectory:
     anchors: np.ndarray  # [steps] block start positions (absolute, in the sequence)
     accepted: np.ndarray  # [steps] accepted drafts per step (bonus not included)
+    head_r: np.ndarray | None = None  # [steps] the length head's r per block (replay, head=True)
 
     @property
     def tau(self) -> float:
@@ -48,12 +49,13 @@ class Trajectory:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("d_graph", "t_graph", "block_size", "layers", "max_steps")
+    jax.jit, static_argnames=("d_graph", "t_graph", "block_size", "layers", "max_steps", "head")
 )
 def _chains(d_graph, d_params, t_graph, t_params, tokens_BxS, loss_mask_BxS, start_B, end_B,
-            *, block_size, layers, max_steps):  # fmt: skip
+            *, block_size, layers, max_steps, head=False):  # fmt: skip
     """Greedy speculative steps of every row, walked on device → (anchors [B, T], accepted
-    [B, T], steps [B]) with T = max_steps.
+    [B, T], steps [B], head r [B, T]) with T = max_steps; r (the length head's output for
+    each drafted block) is computed only with `head`, zeros otherwise.
 
     The target runs ONCE over the whole sequences (its features of every position, its argmax
     at every position); each loop iteration drafts one block per row at the row's current
@@ -68,7 +70,7 @@ def _chains(d_graph, d_params, t_graph, t_params, tokens_BxS, loss_mask_BxS, sta
     rows_B = jnp.arange(b)
 
     def body(carry):
-        a_B, n_B, anchors_BxT, accepted_BxT = carry
+        a_B, n_B, anchors_BxT, accepted_BxT, r_BxT = carry
         active_B = a_B < end_B
         anchors_Bx1, valid_Bx1 = a_B[:, None], active_B[:, None]
         hidden = drafter.train_hidden(
@@ -84,19 +86,22 @@ def _chains(d_graph, d_params, t_graph, t_params, tokens_BxS, loss_mask_BxS, sta
         slot_B = jnp.where(active_B, n_B, max_steps)  # inactive rows write nowhere
         anchors_BxT = anchors_BxT.at[rows_B, slot_B].set(a_B, mode="drop")
         accepted_BxT = accepted_BxT.at[rows_B, slot_B].set(acc_B, mode="drop")
+        if head:  # the block's final-normed states, all K positions (as the head trains)
+            r_BxT = r_BxT.at[rows_B, slot_B].set(drafter.length_head(hidden[:, 0]), mode="drop")
         a_B = jnp.where(active_B, a_B + acc_B + 1, a_B)
-        return a_B, n_B + active_B.astype(jnp.int32), anchors_BxT, accepted_BxT
+        return a_B, n_B + active_B.astype(jnp.int32), anchors_BxT, accepted_BxT, r_BxT
 
     init = (
         start_B,
         jnp.zeros((b,), jnp.int32),
         jnp.zeros((b, max_steps), jnp.int32),
         jnp.zeros((b, max_steps), jnp.int32),
+        jnp.zeros((b, max_steps), jnp.float32),
     )
-    _, n_B, anchors_BxT, accepted_BxT = jax.lax.while_loop(
+    _, n_B, anchors_BxT, accepted_BxT, r_BxT = jax.lax.while_loop(
         lambda c: jnp.any(c[0] < end_B), body, init
     )
-    return anchors_BxT, accepted_BxT, n_B
+    return anchors_BxT, accepted_BxT, n_B, r_BxT
 
 
 def replay(
@@ -110,11 +115,13 @@ def replay(
     batch_size: int = 16,
     desc: str = "replay",
     progress: bool = True,
+    head: bool = False,
 ) -> list[Trajectory]:
     """Greedy speculative-decoding trajectories of every sequence of `data` (see module doc).
 
     `span` (≥ the longest response, e.g. max new tokens) bounds the steps per row, so every
-    dataset of one run shares one compiled program.
+    dataset of one run shares one compiled program. With `head` each trajectory also carries
+    the length head's r of every block it drafted (`Trajectory.head_r`).
     """
     from tqdm.auto import tqdm
 
@@ -132,7 +139,7 @@ def replay(
         start_B = np.where(has, np.argmax(mask, axis=1), 0).astype(np.int32)
         last_B = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
         end_B = np.where(has, last_B, 0).astype(np.int32)  # the block at `end` never runs
-        anchors_BxT, accepted_BxT, n_B = jax.device_get(
+        anchors_BxT, accepted_BxT, n_B, r_BxT = jax.device_get(
             _chains(
                 d_graph,
                 d_params,
@@ -145,12 +152,14 @@ def replay(
                 block_size=block_size,
                 layers=tuple(feature_layers),
                 max_steps=span,
+                head=head,
             )
         )
         for row in range(len(idx)):
             n = int(n_B[row])
+            r = r_BxT[row, :n] if head else None
             trajectories.append(
-                Trajectory(anchors_BxT[row, :n].astype(np.int32), accepted_BxT[row, :n])
+                Trajectory(anchors_BxT[row, :n].astype(np.int32), accepted_BxT[row, :n], r)
             )
     return trajectories
 

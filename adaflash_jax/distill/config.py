@@ -9,6 +9,7 @@ checked by `distill/checks.py`, and what the config implies for shapes by `disti
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from adaflash_jax.drafter.config import DEFAULT_ACCEPT_DIM
@@ -186,8 +187,10 @@ class Stage2Spec:
     clip_norm: float = 1.0
     alpha: float = 0.8
     tau: float = 0.01  # clips KL/Nw per sequence: a cap of τ·Nw nats (see losses.py)
-    temperature: float = 1.0
-    collect_temperature: float = 0.0  # 0: greedy collection (lossless → target's own text)
+    temperature: float = 1.0  # the loss's KL temperature T; collection's is the next field
+    # 0: greedy collection (lossless → the target's own text); > 0 (engine collector): the
+    # engine samples at it, as a deployment would (docs/design.md §4.2)
+    collect_temperature: float = 0.0
     collect_slots: int = 16  # engine collector: rows decoded together
     methods: tuple[str, ...] = ("adaflash", "sft")  # each runs its own rounds, same compute
     # "response": uniform over the response (reference); "visited": only the block starts
@@ -232,15 +235,38 @@ class Stage2Spec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSpec:
-    """τ per domain on held-out prompts; greedy, so "replay" equals the engine exactly."""
+    """τ per domain on held-out prompts; greedy, so "replay" equals the engine exactly.
+
+    Optional extras (distill/evaluation.py, docs/design.md §4.5), off by default:
+    `temperatures` also measures τ with sampled decoding at each (the engine's rejection
+    sampling, the drafter sampled at the same temperature, seeded by `seed`; 0 is the greedy
+    table); `long_new_tokens` > 0 decodes a long-response prompt set (`long_per_domain`
+    prompts per domain) greedily to that many tokens and reports τ by the block's position;
+    `head_calibration` measures the length head against the blocks it would size.
+    """
 
     backend: str = "replay"
     slots: int = 16
+    temperatures: tuple[float, ...] = ()
+    long_new_tokens: int = 0  # 0: no τ by position
+    long_per_domain: int = 4
+    # the length head's predicted vs realised accepted length on the held-out blocks, after
+    # head init and after every stage-2 round (distill/calibration.py)
+    head_calibration: bool = False
 
     def __post_init__(self):
-        _positive("eval", self, "slots")
+        _positive("eval", self, "slots", "long_per_domain")
+        _positive("eval", self, "long_new_tokens", allow_zero=True)
         if self.backend not in COLLECTORS:
             raise ConfigError(f"eval.backend must be one of {COLLECTORS}: {self.backend!r}")
+        temps = self.temperatures
+        temps = tuple(temps) if isinstance(temps, (tuple, list)) else (temps,)
+        for t in temps:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+                raise ConfigError(f"eval.temperatures must be finite numbers >= 0, got {t!r}")
+        if len(set(temps)) != len(temps):
+            raise ConfigError(f"eval.temperatures lists a temperature twice: {temps}")
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in temps))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,6 +346,11 @@ class RunConfig:
             raise ConfigError(
                 "stage2.methods has 'stage1_long', which needs stage 1, but draft.init_from "
                 "skips it"
+            )
+        if 0 < self.eval.long_new_tokens <= self.seq_len:
+            raise ConfigError(
+                f"eval.long_new_tokens {self.eval.long_new_tokens} must exceed seq_len "
+                f"{self.seq_len}: τ by position measures contexts longer than training's"
             )
         if self.data.max_prompt_len + 1 >= self.seq_len:
             raise ConfigError(

@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.distill import calibration
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.config import ConfigError, RunConfig
 from adaflash_jax.distill.context import Context, prepare
+from adaflash_jax.distill.evaluation import extra_evaluations
 from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
@@ -221,6 +223,9 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     t = mark("stage1", t)
     params = trainer.head_init(params, data.train)
     t = mark("head_init", t)
+    if cfg.eval.head_calibration:  # the length head against the held-out blocks
+        trainer.calibration_data = data.eval
+        calibration.measure(trainer, params, "head_init")
     finals = {"stage1": params}
     collect_tau = {}
     for method in cfg.stage2.methods:
@@ -229,11 +234,15 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
             # head as stage 1's. Equal total training steps to each stage-2 method.
             long = trainer.stage1(start, data.train, name=method, total=stage1_long_steps(cfg))
             finals[method] = trainer.head_init(long, data.train, name=f"head_init_{method}")
+            calibration.measure(trainer, finals[method], f"head_init_{method}")
         else:
             finals[method], collect_tau[method] = trainer.stage2(method, params, data.pool)
         t = mark(f"stage2_{method}", t)
     tau = {m: evaluate(trainer, p, data.eval, data.eval_ids) for m, p in finals.items()}
     t = mark("evaluate", t)
+    extra = extra_evaluations(ctx, trainer, finals, tau, data.eval, data.eval_ids)
+    if extra:
+        t = mark("evaluate_extra", t)  # sampled τ, τ by position
     d_graph = trainer.d_graph
     fmt = prompt_format(cfg.data)
     exports = {
@@ -243,6 +252,7 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     mark("export", t)
     return {
         "tau": tau,
+        "extra_tau": extra,
         "collect_tau": collect_tau,
         "exports": exports,
         "final_metrics": {k: (v[-1] if v else {}) for k, v in trainer.histories.items()},
@@ -270,9 +280,13 @@ def data_issues(ctx: Context, data: Datasets) -> dict:
 
 def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     tau = results["tau"]
+    extra = results["extra_tau"]
+    if ctx.cfg.eval.head_calibration:
+        extra = {**extra, "head_calibration": calibration.collected(ctx)}
     report = {
         "tau": tau,
         "summary": R.summarise(tau),
+        **R.extra_summaries(extra),
         "wall_s": round(wall_s, 2),
         "stage_seconds": timings,
         "collect_tau": results["collect_tau"],
@@ -294,7 +308,8 @@ def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     }
     if ctx.is_main:
         R.write_json(ctx.path("report.json"), report)
-        R.plot_tau(ctx.path("tau.png"), tau)
+        R.plot_tau(ctx.path("tau.png"), tau, extra.get("tau_sampled"))
         print("\n" + R.table(tau), flush=True)
+        print(R.extra_tables(extra), end="", flush=True)
         print(f"\nwall time {report['wall_s']:.1f}s; report: {ctx.path('report.json')}", flush=True)
     return report

@@ -60,15 +60,29 @@ def _plain(x):
     return str(x)
 
 
-def plot_tau(path: str, tau: dict[str, dict[str, float]]) -> None:
+def plot_tau(path: str, tau: dict[str, dict[str, float]], sampled: dict | None = None) -> None:
+    """τ per domain and method: greedy, then one panel per sampling temperature of `sampled`
+    ({temperature: {method: {domain: τ}}}; its "0" is the greedy panel, not drawn twice)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [("greedy", tau)]
+    panels += [(f"temperature {t}", table) for t, table in (sampled or {}).items() if t != "0"]
     domains = list(dict.fromkeys(d for per in tau.values() for d in per)) + ["mean"]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(1.6 * len(domains) + 2, 4 * len(panels)), squeeze=False
+    )
+    for ax, (name, table) in zip(axes[:, 0], panels):
+        _tau_panel(ax, table, domains, name)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def _tau_panel(ax, tau: dict[str, dict[str, float]], domains: list[str], name: str) -> None:
     stats = summarise(tau)
-    fig, ax = plt.subplots(figsize=(1.6 * len(domains) + 2, 4))
     width = 0.8 / max(len(tau), 1)
     for i, (method, per) in enumerate(tau.items()):
         values = [per.get(d, math.nan) for d in domains[:-1]] + [stats[method]["mean"]]
@@ -76,11 +90,65 @@ def plot_tau(path: str, tau: dict[str, dict[str, float]]) -> None:
         ax.bar(x, values, width, label=f"{method} (CV {stats[method]['cv']:.2f})")
     ax.set_xticks(np.arange(len(domains)), domains)
     ax.set_ylabel("τ (tokens per verify step)")
-    ax.set_title("Acceptance length per domain")
+    ax.set_title(f"Acceptance length per domain, {name}")
     ax.legend()
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+
+
+def extra_summaries(extra: dict) -> dict:
+    """report.json's optional τ entries (`distill.evaluation.extra_evaluations`) with, for
+    sampled τ, {temperature: {method: {"mean", "cv"}}} as "summary_sampled"."""
+    out = dict(extra)
+    if "tau_sampled" in extra:
+        out["summary_sampled"] = {t: summarise(v) for t, v in extra["tau_sampled"].items()}
+    return out
+
+
+def position_table(by_method: dict[str, dict]) -> str:
+    """One row per method: τ per position bucket (steps in brackets)."""
+    buckets = list(dict.fromkeys(b for v in by_method.values() for b in v["tau"]))
+    rows = [["method", *buckets]]
+    for method, v in by_method.items():
+        rows.append([method, *(f"{v['tau'][b]:.3f} ({v['steps'][b]})" for b in buckets)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+CALIBRATION_COLUMNS = ("blocks", "mse", "predicted_len", "realised_len", "corr", "width_exact",
+                       "width_covers")  # fmt: skip
+
+
+def calibration_table(points: dict[str, dict]) -> str:
+    """One row per calibration point (distill/calibration.py): the pooled entries."""
+    rows = [["point", *CALIBRATION_COLUMNS]]
+    for point, entry in points.items():
+        cells = [f"{entry.get(c, math.nan):.3f}" for c in CALIBRATION_COLUMNS[1:]]
+        rows.append([point, str(entry.get("blocks", 0)), *cells])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def extra_tables(extra: dict) -> str:
+    """The printed form of the optional entries ("" when there are none)."""
+    out = ""
+    if extra.get("head_calibration"):
+        out += "\nlength head calibration (held-out blocks)\n"
+        out += f"{calibration_table(extra['head_calibration'])}\n"
+    for t, table_t in extra.get("tau_sampled", {}).items():
+        if t != "0":
+            out += f"\nτ at temperature {t} (sampled, seeded)\n{table(table_t)}\n"
+    if "tau_by_position" in extra:
+        long = extra["long_set"]
+        out += (
+            f"\nτ by block position (greedy, {long['prompts']} long prompts, "
+            f"{long['new_tokens']} new tokens; steps)\n{position_table(extra['tau_by_position'])}\n"
+        )
+    return out
 
 
 def plot_losses(path: str, scalars: dict[str, list[tuple[int, float]]]) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from adaflash_jax.distill import collect, steps
+from adaflash_jax.distill import calibration, collect, steps
 from adaflash_jax.distill.batches import SequenceData, batch_iterator
 from adaflash_jax.distill.config import STAGE2_OBJECTIVE, RunConfig
 from adaflash_jax.distill.context import Context
@@ -131,6 +131,8 @@ class Trainer:
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
         self.skipped: dict[str, int] = {}  # stage → non-finite steps skipped
+        # held-out set the length head's calibration is measured on (None: not measured)
+        self.calibration_data: SequenceData | None = None
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -267,6 +269,7 @@ class Trainer:
                 if extra.get("round") == r:  # resumed mid-round: the round's data position
                     ckpt.restore_data(it)
                 state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
+                calibration.measure(self, state.params, f"{name}_round{r}")
         return state.params, taus
 
     # ---- on-policy data --------------------------------------------------------------------
@@ -299,7 +302,11 @@ class Trainer:
             )
         else:
             prompts = [pool.prompt_ids[i] for i in rows]
-            sub, trajs = self.engine_rollouts(params, prompts, pool.domain[rows], pool.domains)
+            # a sampled collection draws round r's text from its own stream (seed, r)
+            seed = self.cfg.seed + 1000 * (r + 1)
+            sub, trajs = self.engine_rollouts(
+                params, prompts, pool.domain[rows], pool.domains, seed=seed
+            )
         data = collect.with_visited(sub, trajs)
         data = dataclasses.replace(data, meta={**data.meta, "round": r})
         if jax.process_index() == 0:
@@ -307,7 +314,7 @@ class Trainer:
         return data
 
     def engine_rollouts(self, params, prompt_ids, domain_ids, domains, temperature=None,
-                        slots=None):  # fmt: skip
+                        slots=None, seed=None):  # fmt: skip
         from flax import nnx
 
         s2 = self.cfg.stage2
@@ -322,7 +329,7 @@ class Trainer:
             max_new_tokens=self.cfg.data.max_new_tokens,
             slots=slots,
             temperature=temp,
-            seed=self.cfg.seed,
+            seed=self.cfg.seed if seed is None else seed,
             eos_ids=self.ctx.eos_ids,
             rows=RowLayout.of(self.mesh, TRAIN_RULES, slots),  # slots split over chips
         )
