@@ -26,7 +26,7 @@ from adaflash_jax.decode import programs
 from adaflash_jax.decode.drafting import EngineDrafter
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError, Slots
 from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set
-from adaflash_jax.drafter.checkpoint import ACCEPT_FILE
+from adaflash_jax.drafter.hf_config import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
 

@@ -21,7 +21,7 @@ from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
-from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.kv_cache import KVCache, empty_cache
 from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
@@ -108,15 +108,7 @@ class Drafter(nnx.Module):
         return self.hidden_norm(self.fc(features_BxTxnD))
 
     def init_context_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        cfg = self.config
-        return KVCache.create(
-            num_layers=cfg.num_hidden_layers,
-            batch=batch,
-            capacity=capacity,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=dtype or self.dtype,
-        )
+        return empty_cache(self.config, batch, capacity, dtype or self.dtype)
 
     def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
         """Every layer's context keys/values [B, T, Kv, Dh] for T newly committed tokens at

@@ -101,6 +101,20 @@ class KVCache:
         return self.replace(lengths=lengths_B.astype(jnp.int32))
 
 
+def empty_cache(config, batch: int, capacity: int, dtype, recurrent=()) -> KVCache:
+    """An empty cache for a model config's layers (a target's or a drafter's: both carry HF's
+    num_hidden_layers, num_key_value_heads and head_dim)."""
+    return KVCache.create(
+        num_layers=config.num_hidden_layers,
+        batch=batch,
+        capacity=capacity,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        recurrent=recurrent,
+    )
+
+
 def _write(cache, new, positions_BxT):
     return None if cache is None else write_rows(cache, new, positions_BxT)
 

@@ -33,7 +33,7 @@ from flax import nnx, struct
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
 from adaflash_jax.model.gated_deltanet import GatedDeltaNet
-from adaflash_jax.model.kv_cache import KVCache, write_rows
+from adaflash_jax.model.kv_cache import KVCache, empty_cache, write_rows
 from adaflash_jax.model.layers import (
     AttentionProjections,
     Dense,
@@ -235,15 +235,7 @@ class TargetLM(nnx.Module):
                 None if layer.linear_attn is None else layer.linear_attn.init_state(batch)
                 for layer in self.layers
             )
-        return KVCache.create(
-            num_layers=cfg.num_hidden_layers,
-            batch=batch,
-            capacity=capacity,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=dtype or self.dtype,
-            recurrent=recurrent,
-        )
+        return empty_cache(cfg, batch, capacity, dtype or self.dtype, recurrent)
 
     def __call__(
         self,
