@@ -91,25 +91,11 @@ def measure(trainer, params, point: str) -> dict | None:
     `trainer.calibration_data`, saved under the run directory; None when the run does not
     measure it. Every process measures (the replay is one SPMD program), whatever a resumed
     run's directory already holds; process 0 writes."""
-    from adaflash_jax.distill.stages import REPLAY_BATCH
-
     data = trainer.calibration_data
     if data is None:
         return None
-    dc, cfg = trainer.ctx.drafter_cfg, trainer.cfg
-    trajectories = collect.replay(
-        (trainer.d_graph, params),
-        trainer.target_split,
-        data,
-        block_size=dc.block_size,
-        feature_layers=dc.target_layer_ids,
-        span=cfg.data.max_new_tokens,
-        batch_size=REPLAY_BATCH,
-        desc=f"head calibration {point}",
-        progress=trainer.ctx.progress,
-        head=True,
-    )
-    entry = head_calibration(trajectories, dc.block_size)
+    trajectories = trainer.replay(params, data, f"head calibration {point}", head=True)
+    entry = head_calibration(trajectories, trainer.ctx.drafter_cfg.block_size)
     if trainer.ctx.is_main:
         fs.write_text(point_path(trainer, point), json.dumps(entry, indent=2))
     return entry

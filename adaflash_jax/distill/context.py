@@ -59,6 +59,20 @@ class Context:
         return "/".join((self.run_dir, *parts))
 
 
+def encode_prompts(cfg: RunConfig, tokenizer, prompts, long_prompts: str | None = None):
+    """`prompts` as token ids (`prompts.Encoded`) under the run's data settings
+    (`long_prompts`: the config's unless given)."""
+    d = cfg.data
+    return P.encode(
+        prompts,
+        tokenizer,
+        chat_template=d.chat_template,
+        max_len=d.max_prompt_len,
+        enable_thinking=d.enable_thinking,
+        long_prompts=long_prompts or d.long_prompts,
+    )
+
+
 def default_run_dir(cfg: RunConfig) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", f"{cfg.name}-{stamp}")

@@ -27,6 +27,7 @@ import numpy as np
 
 from adaflash_jax.distill import collect
 from adaflash_jax.distill import prompts as P
+from adaflash_jax.distill.context import encode_prompts
 
 POSITION_EDGES = (0, 128, 256, 512)  # bucket lower bounds; the last bucket is open
 
@@ -203,13 +204,8 @@ def extra_evaluations(ctx, trainer, finals, greedy, eval_data, eval_ids) -> dict
     t0 = time.perf_counter()
     if cfg.eval.long_new_tokens:
         prompts = long_prompts(ctx)
-        ids = P.encode(
-            prompts,
-            ctx.tokenizer,
-            chat_template=cfg.data.chat_template,
-            max_len=cfg.data.max_prompt_len,
-            enable_thinking=cfg.data.enable_thinking,
-        )
+        # the whole set, each cut to its last max_prompt_len tokens
+        ids = encode_prompts(cfg, ctx.tokenizer, prompts, long_prompts="truncate")
         out["tau_by_position"] = {m: position_tau(trainer, p, ids) for m, p in finals.items()}
         out["long_set"] = {
             "prompts": len(ids),

@@ -30,7 +30,7 @@ from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.config import ConfigError, RunConfig
-from adaflash_jax.distill.context import Context, prepare
+from adaflash_jax.distill.context import Context, encode_prompts, prepare
 from adaflash_jax.distill.evaluation import extra_evaluations
 from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
@@ -66,19 +66,11 @@ class Datasets:
 def _encode(ctx: Context, prompts, split: str) -> tuple[P.Encoded, list]:
     """(ids, the prompts kept): with `data.long_prompts="skip"` prompts over the budget are
     left out; a split left with none is refused."""
-    cfg = ctx.cfg
-    ids = P.encode(
-        prompts,
-        ctx.tokenizer,
-        chat_template=cfg.data.chat_template,
-        max_len=cfg.data.max_prompt_len,
-        enable_thinking=cfg.data.enable_thinking,
-        long_prompts=cfg.data.long_prompts,
-    )
+    ids = encode_prompts(ctx.cfg, ctx.tokenizer, prompts)
     if prompts and not ids:
         raise ConfigError(
             f"all {len(prompts)} {split} prompts are longer than data.max_prompt_len "
-            f"{cfg.data.max_prompt_len} and data.long_prompts='skip' leaves none: raise "
+            f"{ctx.cfg.data.max_prompt_len} and data.long_prompts='skip' leaves none: raise "
             "data.max_prompt_len or set data.long_prompts='truncate'"
         )
     return ids, [prompts[i] for i in ids.kept]

@@ -286,20 +286,9 @@ class Trainer:
         if SequenceData.exists(path):
             return SequenceData.load(path)
         rows = self.round_rows(len(pool), r)
-        dc, s2 = self.ctx.drafter_cfg, self.cfg.stage2
-        if s2.collector == "replay":
+        if self.cfg.stage2.collector == "replay":
             sub = pool.sequences.subset(rows)
-            trajs = collect.replay(
-                (self.d_graph, params),
-                self.target_split,
-                sub,
-                block_size=dc.block_size,
-                feature_layers=dc.target_layer_ids,
-                span=self.cfg.data.max_new_tokens,
-                batch_size=REPLAY_BATCH,
-                desc=f"collect {method} round {r}",
-                progress=self.ctx.progress,
-            )
+            trajs = self.replay(params, sub, f"collect {method} round {r}")
         else:
             prompts = [pool.prompt_ids[i] for i in rows]
             # a sampled collection draws round r's text from its own stream (seed, r)
@@ -312,6 +301,23 @@ class Trainer:
         if jax.process_index() == 0:
             data.save(path)
         return data
+
+    def replay(self, params, data: SequenceData, desc: str, *, head: bool = False):
+        """Greedy replay of the drafter `params` over `data`'s responses (one compiled
+        program for collection, evaluation and calibration: a fixed `REPLAY_BATCH`)."""
+        dc = self.ctx.drafter_cfg
+        return collect.replay(
+            (self.d_graph, params),
+            self.target_split,
+            data,
+            block_size=dc.block_size,
+            feature_layers=dc.target_layer_ids,
+            span=self.cfg.data.max_new_tokens,
+            batch_size=REPLAY_BATCH,
+            desc=desc,
+            progress=self.ctx.progress,
+            head=head,
+        )
 
     def engine_rollouts(self, params, prompt_ids, domain_ids, domains, temperature=None,
                         slots=None, seed=None):  # fmt: skip
@@ -346,20 +352,9 @@ class Trainer:
 
 def evaluate(trainer: Trainer, params, data: SequenceData, prompt_ids) -> dict[str, float]:
     """τ per domain of a drafter on the held-out set (greedy)."""
-    dc, cfg = trainer.ctx.drafter_cfg, trainer.cfg
+    cfg = trainer.cfg
     if cfg.eval.backend == "replay":
-        trajs = collect.replay(
-            (trainer.d_graph, params),
-            trainer.target_split,
-            data,
-            block_size=dc.block_size,
-            feature_layers=dc.target_layer_ids,
-            span=cfg.data.max_new_tokens,
-            batch_size=REPLAY_BATCH,
-            desc="evaluate",
-            progress=trainer.ctx.progress,
-        )
-        return collect.tau_by_domain(data, trajs)
+        return collect.tau_by_domain(data, trainer.replay(params, data, "evaluate"))
     sub, trajs = trainer.engine_rollouts(
         params, prompt_ids, data.domain, data.domains, temperature=0.0, slots=cfg.eval.slots
     )
