@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decode.acceptance import accept
-from adaflash_jax.model.packing import Packing, to_rows
+from adaflash_jax.model.packing import Packing, to_rows, to_tokens
 
 
 def _pad_to(k: int, entries):
@@ -43,7 +43,7 @@ def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size,
     b, k = tokens_BxK.shape
     if spec.packed:
         packing = Packing.create(width_B, tokens=size, row_width=k)
-        tokens_MxT, layout = packing.pack(tokens_BxK)[:, None], packing
+        tokens_MxT, layout = to_tokens(packing, tokens_BxK), packing
     else:
         packing, tokens_MxT, layout = None, tokens_BxK[:, :size], Packing.dense(b, size)
     out = target(
