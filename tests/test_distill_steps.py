@@ -24,6 +24,7 @@ from adaflash_jax.train.optimizer import (
     NonFiniteError,
     OptimizerConfig,
     nonfinite_metrics,
+    path_labels,
     skip_counts,
     skip_nonfinite,
 )
@@ -135,6 +136,34 @@ def test_a_nonfinite_step_leaves_the_weights_and_is_counted():
     state, m = fn(state, steps.put_batch(_batch(), bsh, KNOBS))
     assert int(m["skipped"]) == 0 and not _same(before[0], jax.device_get(state.params))
     assert tuple(map(int, skip_counts(state.opt_state))) == (0, 1)  # in a row, in all
+
+
+def _by_group(params) -> dict[str, list]:
+    labels = path_labels(steps.param_group)(params)
+    out = {}
+    for label, x in zip(jax.tree.leaves(labels), jax.tree.leaves(params), strict=True):
+        out.setdefault(label, []).append(np.asarray(x))
+    return out
+
+
+def test_a_batch_the_head_must_not_learn_from_moves_the_drafter_only():
+    """`head_on` 0 (stage2.head_fit "fresh" after a round's first pass): the length head and
+    its acceptance network keep their weights bit-exactly, though Adam carries momentum from
+    the step before; the drafter trains and the head's loss is still measured. With
+    `head_on` 1 the same step moves the head."""
+    results = {}
+    for head_on in (0.0, 1.0):
+        fn, state, bsh = _build("sparse", 2, 7)
+        s1, _ = fn(state, steps.put_batch(_batch(), bsh, KNOBS))  # momentum in every group
+        before = _by_group(jax.device_get(s1.params))
+        s2, m = fn(s1, steps.put_batch(_batch(), bsh, {**KNOBS, "head_on": head_on}))
+        results[head_on] = (_by_group(jax.device_get(s2.params)), jax.device_get(m))
+    off, on = results[0.0][0], results[1.0][0]
+    for group in ("head", "accept"):
+        assert all(np.array_equal(a, b) for a, b in zip(off[group], before[group])), group
+        assert not all(np.array_equal(a, b) for a, b in zip(on[group], before[group])), group
+    assert not all(np.array_equal(a, b) for a, b in zip(off["drafter"], before["drafter"]))
+    assert results[0.0][1]["head_mse"] == pytest.approx(results[1.0][1]["head_mse"])
 
 
 def test_a_nonfinite_gradient_is_a_zero_update():

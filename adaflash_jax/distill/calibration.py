@@ -109,6 +109,8 @@ def expected_points(cfg) -> list[str]:
             points.append(f"head_init_{method}")
         else:
             points += [f"stage2_{method}_round{r}" for r in range(cfg.stage2.rounds)]
+            if cfg.stage2.head_refit:
+                points.append(f"head_refit_{method}")
     return ["head_init", *points]
 
 

@@ -22,6 +22,7 @@ METHODS = ("stage1", "adaflash", "sft", "fkl", "stage1_long")
 STAGE2_OBJECTIVE = {"adaflash": ("rkl", None), "sft": ("rkl", 1.0), "fkl": ("fkl", None)}
 STAGE2_METHODS = (*STAGE2_OBJECTIVE, "stage1_long")
 POOLS = ("fresh", "stage1")
+HEAD_FITS = ("all", "fresh")  # stage-2 steps the length head learns from
 MAX_BLOCK_SIZE = 32
 COLLECTORS = ("replay", "engine")
 DTYPES = ("float32", "bfloat16")
@@ -202,6 +203,15 @@ class Stage2Spec:
     # temperature 0 only; greedy speculative decoding is lossless, so its text and
     # acceptances equal the engine's); "engine": the serving engine on the prompts.
     collector: str = "replay"
+    # Which of a round's steps the length head learns from. "all" (the reference): every
+    # step, so from the second pass over the buffer on its labels are the acceptance of
+    # blocks the drafter has just trained on, and it learns to over-predict. "fresh": the
+    # first pass only (floor(buffer / batch) steps), blocks the drafter has not trained on,
+    # as at serving time (docs/design.md §4.2; BENCHMARKS.md has both).
+    head_fit: str = "fresh"
+    # After a method's rounds, fit the head again as head init does (drafter frozen, the
+    # head_init recipe on the stage-1 data) to the drafter stage 2 left (the reference: no).
+    head_refit: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
@@ -223,6 +233,8 @@ class Stage2Spec:
             )
         if self.pool not in POOLS:
             raise ConfigError(f"stage2.pool must be one of {POOLS}: {self.pool!r}")
+        if self.head_fit not in HEAD_FITS:
+            raise ConfigError(f"stage2.head_fit must be one of {HEAD_FITS}: {self.head_fit!r}")
         if self.collector == "replay" and self.collect_temperature > 0:
             raise ConfigError(
                 "stage2.collector 'replay' is exact for greedy collection only; use "

@@ -229,6 +229,10 @@ def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
             calibration.measure(trainer, finals[method], f"head_init_{method}")
         else:
             finals[method], collect_tau[method] = trainer.stage2(method, params, data.pool)
+            if cfg.stage2.head_refit:  # the head re-fitted to the drafter stage 2 left
+                name = f"head_refit_{method}"
+                finals[method] = trainer.head_init(finals[method], data.train, name=name)
+                calibration.measure(trainer, finals[method], name)
         t = mark(f"stage2_{method}", t)
     tau = {m: evaluate(trainer, p, data.eval, data.eval_ids) for m, p in finals.items()}
     t = mark("evaluate", t)

@@ -268,9 +268,23 @@ class Trainer:
                 it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), s2.anchors)
                 if extra.get("round") == r:  # resumed mid-round: the round's data position
                     ckpt.restore_data(it)
-                state = self._run(name, fn, state, it, end, ckpt, {"round": r}, knobs)
+                for stop, head_on in self.head_phases(r, len(data)):
+                    if int(jax.device_get(state.step)) < stop:
+                        phase = {**knobs, "head_on": head_on}
+                        state = self._run(name, fn, state, it, stop, ckpt, {"round": r}, phase)
                 calibration.measure(self, state.params, f"{name}_round{r}")
         return state.params, taus
+
+    def head_phases(self, r: int, buffer: int) -> list[tuple[int, float]]:
+        """Round r's steps as (last step, whether the length head learns): with
+        `stage2.head_fit="fresh"` the head learns during the first pass over the round's
+        `buffer` sequences only (whole batches of sequences the drafter has not trained on)."""
+        s2 = self.cfg.stage2
+        start, end = r * s2.steps_per_round, (r + 1) * s2.steps_per_round
+        if s2.head_fit == "all":
+            return [(end, 1.0)]
+        fresh = min(max(1, buffer // self.cfg.batch_size), s2.steps_per_round)
+        return [(start + fresh, 1.0), (end, 0.0)]
 
     # ---- on-policy data --------------------------------------------------------------------
     def round_rows(self, pool_size: int, r: int) -> np.ndarray:

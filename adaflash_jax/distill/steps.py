@@ -49,8 +49,9 @@ KINDS = ("stage1", "head_init", "stage2")
 GROUPS = ("drafter", "head", "accept")  # optimizer groups (learning rate, decay)
 BATCH_KEYS = ("tokens", "loss_mask", "anchors", "valid")
 # Stage-2 loss weights ride in the batch as replicated scalars, so methods that differ only
-# in weights (AdaFlash α = 0.8, `sft` α = 1) share one compiled program.
-KNOB_KEYS = ("alpha", "tau", "temperature")
+# in weights (AdaFlash α = 0.8, `sft` α = 1) share one compiled program. `head_on` (1 or 0)
+# says whether the length head learns from this batch (`Stage2Spec.head_fit`).
+KNOB_KEYS = ("alpha", "tau", "temperature", "head_on")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +117,13 @@ def make_optimizer(
         clips = optax.multi_transform({"draft_model": clip, "accept": clip}, path_labels(clip_part))
         tx = optax.chain(clips, tx)
     return (skip_nonfinite(tx) if nonfinite_guard else tx), schedules
+
+
+def _head_gated(updates, head_on: jax.Array):
+    """`updates` with the length head's (and acceptance network's) scaled by `head_on`: a
+    batch the head must not learn from moves it by nothing, not even by Adam's momentum."""
+    labels = path_labels(param_group)(updates)
+    return jax.tree.map(lambda u, g: u if g == "drafter" else u * head_on, updates, labels)
 
 
 def clip_part_norms(grads) -> dict[str, jax.Array]:
@@ -245,6 +253,7 @@ def make_step(
                     tau=batch["tau"],
                 )
                 h_loss, h_aux, accepted = head_loss(drafter, hidden, stats)
+                h_loss = h_loss * batch["head_on"]
                 aux = {**parts, **h_aux, "drafter_loss": loss}
                 aux["ce_acc"] = losses.accuracy(stats.draft, stats.labels, mask_BxNxP)
                 aux["accepted_mean"] = jnp.sum(accepted * valid) / jnp.maximum(valid.sum(), 1)
@@ -254,6 +263,8 @@ def make_step(
         if spec.nonfinite_guard:
             grads = poison_if_nonfinite(loss, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        if spec.kind == "stage2":
+            updates = _head_gated(updates, batch["head_on"])
         params = optax.apply_updates(state.params, updates)
         norms = clip_part_norms(grads)
         metrics = {"loss": loss, "grad_norm": norms["draft_model"], **aux}
@@ -291,9 +302,9 @@ def jit_step(step_fn, *, state_shardings, batch_shardings_: dict, donate: bool =
 
 def put_batch(batch: dict, shardings: dict, knobs: Mapping[str, float] | None = None) -> dict:
     """This process's rows → global arrays (per-host input sharding), plus the loss knobs
-    (default α 0.8, τ 0.01, T 1; stage 1 and head init ignore them)."""
+    (default α 0.8, τ 0.01, T 1, head on; stage 1 and head init ignore them)."""
     out = {k: jax.make_array_from_process_local_data(shardings[k], batch[k]) for k in BATCH_KEYS}
-    knobs = {"alpha": 0.8, "tau": 0.01, "temperature": 1.0, **(knobs or {})}
+    knobs = {"alpha": 0.8, "tau": 0.01, "temperature": 1.0, "head_on": 1.0, **(knobs or {})}
     for k in KNOB_KEYS:
         out[k] = jax.device_put(jnp.float32(knobs[k]), shardings[k])
     return out
