@@ -1,6 +1,6 @@
 """Checkpoint or export → the HF drafter directory a serving stack loads (docs/serving.md).
 
-python -m experiments.export runs/tiny-XXXX                    # its stage2_adaflash ckpt
+python -m experiments.export runs/tiny-XXXX       # its adaflash drafter (re-fitted head)
 python -m experiments.export runs/tiny-XXXX/ckpt/stage1 --out drafters/stage1 --step 200
 python -m experiments.export runs/tiny-XXXX --for vllm         # plain DFlash layout
 python -m experiments.export runs/tiny-XXXX/export/adaflash --for tpu-inference --out DIR
@@ -17,7 +17,9 @@ import sys
 
 from adaflash_jax.cli import one_line_errors
 
-PREFERRED = ("stage2_adaflash", "stage2_sft", "stage2_fkl", "head_init", "stage1")
+# a method's head re-fit (stage2.head_refit) holds its final drafter, else its stage 2
+PREFERRED = tuple(f"{s}_{m}" for m in ("adaflash", "sft", "fkl") for s in ("head_refit", "stage2"))
+PREFERRED += ("head_init", "stage1")
 STACK_CHOICES = ("adaflash", "sglang", "vllm", "tpu-inference", "sglang-jax")
 
 

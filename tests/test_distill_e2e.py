@@ -106,12 +106,14 @@ def test_full_micro_pipeline(micro):
         "stage2_adaflash/collect_tau",
         "head_init/accept_bce",
         "stage2_adaflash/accept_bce",
+        "head_refit_adaflash/head_mse",  # stage2.head_refit: the head fitted again
     ):
         assert tag in tags, tag
     for tag in ("head_init/accept_bce", "stage2_adaflash/accept_bce"):
         assert np.all(np.isfinite([v for _, v in scalars[tag]])), (tag, scalars[tag])
     points = ["head_init", "stage2_adaflash_round0", "stage2_adaflash_round1"]
-    points += ["stage2_sft_round0", "stage2_sft_round1", "head_init_stage1_long"]
+    points += ["head_refit_adaflash", "stage2_sft_round0", "stage2_sft_round1"]
+    points += ["head_refit_sft", "head_init_stage1_long"]
     calibration = report["head_calibration"]
     assert list(calibration) == points
     for entry in calibration.values():

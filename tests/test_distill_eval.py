@@ -234,9 +234,11 @@ def test_calibration_points_follow_the_runs_training_order():
         "head_init",
         "stage2_adaflash_round0",
         "stage2_adaflash_round1",
+        "head_refit_adaflash",
         "head_init_stage1_long",
         "stage2_sft_round0",
         "stage2_sft_round1",
+        "head_refit_sft",
     ]
 
 

@@ -206,12 +206,12 @@ class Stage2Spec:
     # Which of a round's steps the length head learns from. "all" (the reference): every
     # step, so from the second pass over the buffer on its labels are the acceptance of
     # blocks the drafter has just trained on, and it learns to over-predict. "fresh": the
-    # first pass only (floor(buffer / batch) steps), blocks the drafter has not trained on,
-    # as at serving time (docs/design.md §4.2; BENCHMARKS.md has both).
-    head_fit: str = "fresh"
+    # first pass only (floor(buffer / batch) steps), blocks the drafter has not trained on.
+    head_fit: str = "all"
     # After a method's rounds, fit the head again as head init does (drafter frozen, the
-    # head_init recipe on the stage-1 data) to the drafter stage 2 left (the reference: no).
-    head_refit: bool = False
+    # head_init recipe on the stage-1 data) to the drafter stage 2 left: the fix for the
+    # drift above (docs/design.md §4.2; the reference re-fits nothing).
+    head_refit: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
