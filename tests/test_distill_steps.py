@@ -200,3 +200,19 @@ def test_a_run_of_nonfinite_steps_stops_the_stage(tmp_path):
     )  # fmt: skip
     with pytest.raises(NonFiniteError, match=r"stage1: 4 train steps in a row up to step 4"):
         run_stage(run, state, ckpt=None, guard=None)
+
+
+def test_head_phases_split_a_round_at_its_first_pass():
+    """ "fresh": round r's head learns for floor(buffer / batch) steps, then stops until the
+    next round; "all" (the reference) learns every step."""
+    from adaflash_jax.distill.config import RunConfig, Stage2Spec
+    from adaflash_jax.distill.stages import head_phases
+
+    s2 = Stage2Spec(steps_per_round=25, head_fit="fresh")
+    cfg = RunConfig(batch_size=8, stage2=s2)
+    assert head_phases(cfg, 0, 100) == [(12, 1.0), (25, 0.0)]
+    assert head_phases(cfg, 2, 100) == [(62, 1.0), (75, 0.0)]
+    assert head_phases(cfg, 0, 5) == [(1, 1.0), (25, 0.0)]  # under one batch: one step
+    assert head_phases(cfg, 0, 10_000) == [(25, 1.0), (25, 0.0)]  # never a second pass
+    reference = RunConfig(batch_size=8, stage2=Stage2Spec(steps_per_round=25))
+    assert head_phases(reference, 1, 100) == [(50, 1.0)]

@@ -122,6 +122,18 @@ def step_spec(
     )
 
 
+def head_phases(cfg: RunConfig, r: int, buffer: int) -> list[tuple[int, float]]:
+    """Stage-2 round r's steps as (last step, whether the length head learns): with
+    `stage2.head_fit="fresh"` the head learns during the first pass over the round's `buffer`
+    sequences only (whole batches of sequences the drafter has not trained on yet)."""
+    s2 = cfg.stage2
+    start, end = r * s2.steps_per_round, (r + 1) * s2.steps_per_round
+    if s2.head_fit == "all":
+        return [(end, 1.0)]
+    fresh = min(max(1, buffer // cfg.batch_size), s2.steps_per_round)
+    return [(start + fresh, 1.0), (end, 0.0)]
+
+
 class Trainer:
     def __init__(self, ctx: Context, mesh, target_split, drafter_graphdef, *, writer, guard):
         self.ctx, self.cfg, self.mesh = ctx, ctx.cfg, mesh
@@ -268,23 +280,12 @@ class Trainer:
                 it = self._iterator(data, self.cfg.seed + 1000 * (r + 1), s2.anchors)
                 if extra.get("round") == r:  # resumed mid-round: the round's data position
                     ckpt.restore_data(it)
-                for stop, head_on in self.head_phases(r, len(data)):
+                for stop, head_on in head_phases(self.cfg, r, len(data)):
                     if int(jax.device_get(state.step)) < stop:
                         phase = {**knobs, "head_on": head_on}
                         state = self._run(name, fn, state, it, stop, ckpt, {"round": r}, phase)
                 calibration.measure(self, state.params, f"{name}_round{r}")
         return state.params, taus
-
-    def head_phases(self, r: int, buffer: int) -> list[tuple[int, float]]:
-        """Round r's steps as (last step, whether the length head learns): with
-        `stage2.head_fit="fresh"` the head learns during the first pass over the round's
-        `buffer` sequences only (whole batches of sequences the drafter has not trained on)."""
-        s2 = self.cfg.stage2
-        start, end = r * s2.steps_per_round, (r + 1) * s2.steps_per_round
-        if s2.head_fit == "all":
-            return [(end, 1.0)]
-        fresh = min(max(1, buffer // self.cfg.batch_size), s2.steps_per_round)
-        return [(start + fresh, 1.0), (end, 0.0)]
 
     # ---- on-policy data --------------------------------------------------------------------
     def round_rows(self, pool_size: int, r: int) -> np.ndarray:
