@@ -113,7 +113,8 @@ def test_distill_and_export_with_a_hybrid_moe_target(dirs):
     # per split encoded: train, eval and (a "fresh" stage-2 pool) stage2
     assert set(issues["prompts_truncated"]) == set(issues["prompts_skipped"]) >= {"train", "eval"}
     assert not any(issues["prompts_skipped"].values())  # data.long_prompts "truncate"
-    assert set(report["nonfinite_skipped"]) == {"stage1", "head_init", "stage2_adaflash"}
+    stages = {"stage1", "head_init", "stage2_adaflash", "head_refit_adaflash"}
+    assert set(report["nonfinite_skipped"]) == stages
     assert not any(report["nonfinite_skipped"].values())
     assert all(1.0 <= t <= 4.0 for per in report["tau"].values() for t in per.values())
     exported = load_drafter(os.path.join(run_dir, "export", "adaflash"))
