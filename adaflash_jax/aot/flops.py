@@ -4,30 +4,11 @@ Dimensions: B sequences per step, S sequence length, N anchors per sequence, K b
 P = K − 1 label positions per block, D width, F MLP width, H query heads, Kv kv heads,
 Dh head dim, V vocab, L target layers, Ld drafter layers, nD concatenated features.
 
-What counts as useful (a multiply-add is 2 FLOPs):
-- target forward over all B·S tokens: every layer's matmuls (2 · layer matmul weights per
-  token; a mixture-of-experts layer counts its ACTIVE weights: the router's D·E, the k
-  routed experts' 3·D·F each and, on Qwen3.5-MoE, the shared expert's 3·D·Fs and its D·1
-  gate, never the other E − k experts) and causal attention (QKᵀ and PV over the
-  S·(S+1)/2 visible pairs: 4·H·Dh per pair) on the full-attention layers; no LM head over
-  the sequence (the step never computes those logits);
-- hybrid targets (docs/design.md §2.1): a gated attention layer's q_proj is 2·H·Dh wide (the
-  output gate); a Gated DeltaNet layer has no attention pairs and multiplies in_proj_qkv
-  (D·X, X = 2·Jk·Dk + J·Dv), in_proj_z (D·J·Dv), in_proj_b and in_proj_a (D·J each) and
-  out_proj (J·Dv·D), plus its depthwise conv (2·A·X per token) and the chunked delta rule
-  (`delta_rule_token`: per token and value head 6·Dk·Dv of state reads and writes and
-  (Tc + 1)/2 · (6·Dk + 4·Dv) inside its chunk of Tc);
-- teacher logits (stage 2): 2·D·V at each of the B·N·P label positions;
-- drafter forward: the feature projection (2·nD·D per context token), every layer's context
-  keys/values (2·D·2·Kv·Dh per context token), its matmuls over the B·N·K block tokens, and
-  attention over the keys a block may see: the context before its anchor — taken as S/2 on
-  average, anchors being spread over the sequence — plus its own K tokens (4·H·Dh per pair);
-- drafter logits: 2·D·V at each label position (the borrowed, frozen LM head).
-The backward pass counts 2× the forward for what is trained (the drafter in stage 1 and
-stage 2) and 1× for the logits (a gradient reaches the hidden states, none the frozen head).
-Head init trains only the length head: its drafter runs forward only. The length head itself
-(a few hundred thousand weights) is left out. Masked-out work the code still computes (a dense
-block mask, padded positions) is NOT useful: that gap is what MFU should show.
+Useful (a multiply-add is 2 FLOPs): the target's forward over all B·S tokens (active
+weights only, causal attention, no LM head), the teacher logits at the B·N·P label positions
+(stage 2), the drafter's forward and its logits; the backward counts 2× the forward of what
+is trained and 1× the logits. Masked-out work the code still computes is not useful. Every
+term: docs/design.md §7e.
 """
 
 from __future__ import annotations

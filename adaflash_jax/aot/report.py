@@ -1,37 +1,10 @@
 """Compile a Program for a TPU slice and read the compiler's figures: per-chip HBM, FLOPs,
-bytes and XLA's estimated step time. Every figure is a COMPILER ESTIMATE, not a measurement.
+bytes and XLA's estimated step time, and from them MFU and tokens/s/chip (train steps) or
+the estimate against the weight-read floor (decode programs). Every figure is a COMPILER
+ESTIMATE, not a measurement.
 
-- HBM per chip (`memory_analysis()`): arguments + outputs − aliases (donated buffers reused
-  for outputs) + temporaries + generated code, against the chip's HBM (chips.py): fits or
-  not, and the headroom left. A program the compiler refuses for memory is reported as not
-  fitting, with the compiler's message.
-- FLOPs and bytes accessed per chip, and `optimal_seconds` (`cost_analysis()`): XLA's roofline
-  estimate of one call. Custom kernels are opaque to it (kernels.py lists those left out).
-  On v5e and v6e XLA inserts `ConcatBitcast` custom calls (weights it prefetches into
-  on-chip memory in slices, then joins), and TPU lowers `triangular_solve` through an
-  `InvertDiagBlocksLowerTriangular` custom call; its estimate counts each of either as −1 s
-  (BENCHMARKS.md §5.3 and §10 have the figures that showed it).
-  Where the raw figure is negative, those seconds are added back, and both figures are kept.
-  The custom calls' own work is not in XLA's FLOPs or time (small: an in-place inversion of
-  the Tc × Tc diagonal blocks).
-- XLA's cost analysis counts a loop's body once. A train step's chunked loss and sparse
-  attention loops repeat real work: their other iterations' FLOPs (`flops.
-  loop_flops_left_out`) are added to the FLOPs, and their time at the chip's bf16 peak to
-  the estimated time (a lower bound on it: those matmuls cannot run faster).
-- train steps: model FLOPs utilisation = useful FLOPs per chip (flops.py) / (estimated time ×
-  chip bf16 peak), and tokens/s/chip = tokens per step / (estimated time × chips).
-- decode programs: the estimated time against the weight-read floor = weight bytes per chip /
-  chip HBM bandwidth.
-- decode programs, on request (`no_msa`): the same lowered program compiled a second time with
-  XLA's memory-space assignment off (`xla_msa_enable=false`). With it on, XLA prefetches
-  weights from HBM into the chip's on-chip VMEM (`copy-start`/`copy-done` into memory space
-  S(1); on v5e in slices joined by `ConcatBitcast`), and the cost analysis counts those
-  copies' reads and writes as bytes accessed on top of the read that consumes the weight from
-  VMEM: it knows no memory spaces and prices every byte at HBM bandwidth (a bare chain of
-  `jnp.dot`s shows it: experiments/tpu_matmul_chain.py). Without MSA each operand is counted
-  once, read where it lives (HBM): the HBM traffic the prefetching program also pays, since a
-  prefetch reads each weight from HBM once. The first compile, whose figures every other
-  field reports, is the same as without `no_msa`.
+What each figure is, and what the report corrects in XLA's (custom calls costed at −1 s,
+loop bodies counted once, the `no_msa` second compile): docs/design.md §7d.
 """
 
 from __future__ import annotations
