@@ -57,12 +57,15 @@ def measure(layer_types, window, *, batch, context, repeats, block_size=16):
     )
     drafter = Drafter(cfg, rngs=nnx.Rngs(0))
     cache = drafter.init_context_cache(batch, context + block_size)
-    keys = jax.random.split(jax.random.key(1), len(cache.k))
+    keys = jax.random.split(jax.random.key(1), len(cache.layers))
     cache = cache.replace(
-        k=tuple(jax.random.normal(k, c.shape, c.dtype) for k, c in zip(keys, cache.k)),
-        v=tuple(jax.random.normal(k, c.shape, c.dtype) for k, c in zip(keys, cache.v)),
+        layers=tuple(
+            jax.tree.map(lambda x, key=key: jax.random.normal(key, x.shape, x.dtype), c)
+            for key, c in zip(keys, cache.layers)
+        ),
         lengths=jnp.full((batch,), context, jnp.int32),
     )
+    store = [c.k_BxSxKvxDh for c in cache.layers]
     emb_VxD = jax.random.normal(jax.random.key(2), (SHAPE["vocab_size"], SHAPE["hidden_size"]))
     bonus_B = jnp.zeros((batch,), jnp.int32)
     step = nnx.jit(lambda d, c, b: d.draft(c, b, emb_VxD, emb_VxD.T).logits_BxKm1xV)
@@ -72,14 +75,14 @@ def measure(layer_types, window, *, batch, context, repeats, block_size=16):
         t0 = time.perf_counter()
         step(drafter, cache, bonus_B).block_until_ready()
         times.append((time.perf_counter() - t0) * 1e3)
-    entry_bytes = batch * cfg.num_key_value_heads * cfg.head_dim * 2 * cache.k[0].dtype.itemsize
-    read = sum(min(context, (cfg.layer_window(i) or context + 1) - 1) for i in range(len(cache.k)))
+    entry_bytes = batch * cfg.num_key_value_heads * cfg.head_dim * 2 * store[0].dtype.itemsize
+    read = sum(min(context, (cfg.layer_window(i) or context + 1) - 1) for i in range(len(store)))
     return {
         "layer_types": list(cfg.layer_types),
         "sliding_window": cfg.sliding_window,
         "draft_ms_median": round(statistics.median(times), 2),
         "draft_ms_min": round(min(times), 2),
-        "cache_allocated_mib": round(sum(c.nbytes * 2 for c in cache.k) / 2**20, 2),
+        "cache_allocated_mib": round(sum(c.nbytes * 2 for c in store) / 2**20, 2),
         "context_read_per_step_mib": round(read * entry_bytes / 2**20, 2),
     }
 

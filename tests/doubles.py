@@ -13,7 +13,8 @@ from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.model import DraftOutput
 from adaflash_jax.io.cost_table import VerifyCostTable
-from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.cache import Cache
+from adaflash_jax.model.kv_cache import KVEntries, KVLayer
 from adaflash_jax.tokenizer import CHATML_TEMPLATE
 
 
@@ -29,13 +30,12 @@ class TableDrafter(nnx.Module):
         self.sharpness = sharpness
 
     def init_context_cache(self, batch, capacity, dtype=None):
-        return KVCache.create(
-            num_layers=1, batch=batch, capacity=1, kv_heads=1, head_dim=2, dtype=jnp.float32
-        )
+        layer = KVLayer.create(batch=batch, capacity=1, kv_heads=1, head_dim=2, dtype=jnp.float32)
+        return Cache.create([layer], batch=batch, capacity=capacity, dtype=jnp.float32)
 
     def context_entries(self, cache, features_BxTxnD):
         b, t, _ = features_BxTxnD.shape
-        return (jnp.zeros((b, t, 1, 2)),), (jnp.zeros((b, t, 1, 2)),)
+        return (KVEntries(jnp.zeros((b, t, 1, 2)), jnp.zeros((b, t, 1, 2))),)
 
     def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
         table, tok, drafts = self.table[...], bonus_B, []

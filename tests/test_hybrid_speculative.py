@@ -15,6 +15,7 @@ from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.presets import target_preset
+from adaflash_jax.model.recurrent_state import RecurrentState
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
 from adaflash_jax.sharding.rules import TRAIN_RULES
@@ -90,8 +91,8 @@ def test_state_after_partly_rejected_steps_equals_a_fresh_prefill(target, bigram
     for row, prompt in enumerate((PROMPTS[1], PROMPTS[4])):
         committed = prompt + out[row, : lengths[row] - len(prompt)].tolist()
         fresh = target(jnp.asarray([committed]), cache=target.init_cache(1, CAPACITY)).cache
-        for ours, want in zip(state.target_cache.recurrent, fresh.recurrent):
-            if want is None:
+        for ours, want in zip(state.target_cache.layers, fresh.layers):
+            if not isinstance(want, RecurrentState):
                 continue
             np.testing.assert_allclose(ours.history_BxA1xX[row], want.history_BxA1xX[0], atol=1e-5)
             np.testing.assert_allclose(
@@ -128,6 +129,6 @@ def test_rows_split_over_eight_devices_decode_the_same(target, reference):
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference
     state = engine.prefill(engine.init_state(0), [(0, PROMPTS[0], 4)])
-    delta = state.target_cache.recurrent[0].state_BxJxDkxDv
+    delta = state.target_cache.layers[0].state_BxJxDkxDv
     assert delta.addressable_shards[0].data.shape[0] == 1  # one row per chip
     assert fetch(state.num_out_B)[0] == 1

@@ -1,4 +1,5 @@
-"""Cache equivalences: cached == uncached, ragged == alone, while_loop == Python loop."""
+"""Cache equivalences: cached == uncached, ragged == alone, while_loop == Python loop, read
+mode + commit == write mode, a commit along a path == the commit of its tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from flax import nnx
 
 from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch
 from adaflash_jax.decode.tokens import pick_tokens
+from adaflash_jax.model.cache import path_entries
+from adaflash_jax.model.kv_cache import KVEntries, KVLayer
 from adaflash_jax.model.presets import target_preset
+from adaflash_jax.model.recurrent_state import RecurrentState
 from adaflash_jax.model.target import TargetLM
 
 V = 128
@@ -85,8 +89,8 @@ def test_per_row_rollback_and_ragged_extend(model):
 def test_read_mode_equals_write_mode(model):
     """The "read" cache mode (what the engine verifies with inside `lax.switch`) == the
     "write" mode: same logits and features (the last layer's post-norm included), and
-    `KVCache.write` of its new entries == the cache the write mode returns, on ragged
-    lengths with a ragged commit."""
+    `Cache.commit` of its entries == the cache the write mode returns, on ragged lengths
+    with a ragged commit."""
     lengths = jnp.array([9, 4, 1])
     layers = (0, CFG.num_hidden_layers - 1)
     graphdef, state = nnx.split(model)
@@ -98,21 +102,18 @@ def test_read_mode_equals_write_mode(model):
         advance = jnp.array([4, 2, 1])
         want = target(tokens, cache=cache, num_new_B=advance, feature_layers=layers)
         got = target(tokens, cache=cache, cache_mode="read", feature_layers=layers)
-        return want, got, cache.write(*got.new_kv, advance=advance)
+        return want, got, cache.commit(got.entries, advance)
 
     want, got, written = both(state, _tokens(3, 9, seed=5), _tokens(3, 4, seed=6))
-    assert got.cache is None and want.new_kv is None
+    assert got.cache is None and want.entries is None
     np.testing.assert_allclose(got.logits_BxTxV, want.logits_BxTxV, atol=ATOL)
     np.testing.assert_allclose(got.features_BxTxnD, want.features_BxTxnD, atol=ATOL)
     np.testing.assert_array_equal(written.lengths, want.cache.lengths)
-    # Tolerance of the written entries: layer 0's new keys/values are the same projections
-    # of the same embeddings in both modes, but every later layer's residual stream went
-    # through attention over [cache ; new] (read) vs over the written cache (write), the same
-    # sums in another order. So float32 rounding noise of a few ulp of the entries' size
-    # reaches them (observed 1.07e-6 on entries up to 2.5, ~4 ulp; absolute 1e-6 failed).
-    # Allow 1e-5 of the largest entry (~80 ulp); a missing or stale committed entry, a wrong
-    # position or a misplaced write moves entries by O(1) (0.75-1.9 measured).
-    for got_k, want_k in zip(written.k + written.v, want.cache.k + want.cache.v):
+    # Both modes attend the same way and commit through `Cache.commit`, but they are two
+    # traced programs: allow 1e-5 of the largest entry (~80 ulp of float32 rounding); a
+    # missing or stale committed entry, a wrong position or a misplaced write moves entries
+    # by O(1) (0.75-1.9 measured).
+    for got_k, want_k in zip(jax.tree.leaves(written.layers), jax.tree.leaves(want.cache.layers)):
         for b, n in enumerate([9, 4, 1]):  # committed prefix + the 4 new entries
             scale = float(np.abs(want_k[b, : n + 4]).max())
             assert scale > 0.5  # O(1) entries: the tolerance below is relative to them
@@ -200,3 +201,55 @@ def test_sampled_while_loop_equals_python_loop(model):
     want_lengths = [len(p) + len(o) - 1 for p, o in zip(prompts, got)]
     np.testing.assert_array_equal(final.cache.lengths, want_lengths)
     np.testing.assert_array_equal(ref_cache.lengths, want_lengths)
+
+
+def test_kv_commit_keeps_a_path_in_order():
+    """A non-contiguous path: row 0 keeps pass tokens 0, 2, 3 (n = 2 of them), row 1 tokens
+    1 and 0; they land at the row's next positions, in path order."""
+    layer = KVLayer.create(batch=2, capacity=8, kv_heads=1, head_dim=1, dtype=jnp.float32)
+    k_BxTx1x1 = jnp.arange(1.0, 9.0).reshape(2, 4, 1, 1)  # row 0: 1..4, row 1: 5..8
+    entries = KVEntries(k_BxTx1x1, -k_BxTx1x1)
+    lengths_B = jnp.array([3, 0])
+    path_BxP = jnp.array([[0, 2, 3], [1, 0, 0]])
+    got = layer.commit(entries, lengths_B, path_BxP, jnp.array([2, 2]))
+    np.testing.assert_array_equal(got.k_BxSxKvxDh[0, 3:5, 0, 0], [1.0, 3.0])
+    np.testing.assert_array_equal(got.k_BxSxKvxDh[1, 0:2, 0, 0], [6.0, 5.0])
+    np.testing.assert_array_equal(got.v_BxSxKvxDh[1, 0:2, 0, 0], [-6.0, -5.0])
+    np.testing.assert_array_equal(got.k_BxSxKvxDh[0, :3], 0.0)  # committed entries untouched
+
+
+def test_commit_along_a_path_equals_commit_of_its_tokens():
+    """On a hybrid target (attention K/V and Gated DeltaNet states): committing path
+    0..T−1 equals the chain commit, and committing a non-contiguous path of a pass equals
+    committing that pass's entries gathered along the path, for every layer kind."""
+    cfg = target_preset("test-hybrid", vocab_size=V, max_position_embeddings=64)
+    target = TargetLM(cfg, rngs=nnx.Rngs(3))
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def run(state, prompt, tokens):
+        target = nnx.merge(graphdef, state)
+        cache = target(prompt, cache=target.init_cache(2, 24)).cache
+        entries = target(tokens, cache=cache, cache_mode="read").entries
+        n_B = jnp.array([3, 2])
+        chain = cache.commit(entries, n_B)
+        arange = cache.commit(entries, n_B, jnp.broadcast_to(jnp.arange(4), (2, 4)))
+        path_BxP = jnp.array([[0, 2, 3], [1, 3, 3]])
+        along = cache.commit(entries, n_B, path_BxP)
+        gathered = cache.commit(tuple(path_entries(e, path_BxP) for e in entries), n_B)
+        return chain, arange, along, gathered
+
+    chain, arange, along, gathered = run(state, _tokens(2, 5, seed=8), _tokens(2, 4, seed=9))
+    kinds = {type(c) for c in chain.layers}
+    assert kinds == {KVLayer, RecurrentState}
+    for a, b in zip(jax.tree.leaves(chain), jax.tree.leaves(arange)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(along), jax.tree.leaves(gathered)):
+        np.testing.assert_array_equal(a, b)
+    # the path really changed what was kept (row 0 skipped token 1)
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(along), jax.tree.leaves(chain))
+    )
+    np.testing.assert_array_equal(along.lengths, [8, 7])
+    with pytest.raises(ValueError, match="RecurrentState cannot roll back"):
+        chain.rollback(jnp.array([5, 5]))

@@ -61,10 +61,10 @@ def test_engine_rows_split_decode_the_same(models, mesh):
         outs[name] = [(r.output_ids, list(r.accepted)) for r in results]
         if rows is not None:
             state = engine.prefill(engine.init_state(0), [(0, PROMPTS[0], 4)])
-            k = state.target_cache.k[0]
+            k = state.target_cache.layers[0].k_BxSxKvxDh
             assert k.sharding.spec[0] == ("data", "fsdp")
             assert k.addressable_shards[0].data.shape[0] == SLOTS // 8  # one row per chip
-            ctx = state.context_cache.k[0]
+            ctx = state.context_cache.layers[0].k_BxSxKvxDh
             assert ctx.addressable_shards[0].data.shape[0] == SLOTS // 8
             state, *_ = engine.run(state, stop_on_finish=False)
             assert state.out_BxS.addressable_shards[0].data.shape[0] == SLOTS // 8

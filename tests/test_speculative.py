@@ -385,7 +385,9 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
         padded = jnp.asarray([seq + [0] * (CAPACITY - n)], jnp.int32)
         ref = from_scratch(target, drafter, padded, jnp.array([n]))
         assert int(ref.lengths[0]) == n
-        for got, want in zip(state.context_cache.k + state.context_cache.v, ref.k + ref.v):
+        for got, want in zip(
+            jax.tree.leaves(state.context_cache.layers), jax.tree.leaves(ref.layers)
+        ):
             np.testing.assert_allclose(got[row, :n], want[0, :n], atol=2e-5, rtol=1e-4)
 
 

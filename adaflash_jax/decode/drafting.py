@@ -16,7 +16,7 @@ from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.model import DraftOutput
-from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.cache import Cache
 
 
 class EngineDrafter(Protocol):
@@ -26,14 +26,14 @@ class EngineDrafter(Protocol):
     config: DrafterConfig  # block_size, target_layer_ids; validate_against(target config)
     length_head: LengthHead | None  # r, and per-position acceptance if it has that output
 
-    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        """An empty drafter context: per drafter layer [B, S, Kv, Dh]."""
+    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> Cache:
+        """An empty drafter context: a cache of one layer cache per drafter layer."""
 
-    def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
-        """Per-layer context keys/values [B, T, Kv, Dh] of T committed tokens' features at
-        `cache.positions(T)`, not written (the engine writes them)."""
+    def context_entries(self, cache: Cache, features_BxTxnD) -> tuple:
+        """Per-layer context entries of T committed tokens' features at `cache.positions(T)`,
+        for `cache.commit` (the engine commits them)."""
 
-    def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
+    def draft(self, cache: Cache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
         """One block forward after each row's bonus token (at `cache.lengths`)."""
 
 

@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx, struct
 
 from adaflash_jax.decode.tokens import append_tokens, pick_tokens
+from adaflash_jax.model.cache import Cache
 from adaflash_jax.model.config import TargetConfig
-from adaflash_jax.model.kv_cache import KVCache
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
@@ -37,7 +37,7 @@ class GenerateError(ValueError):
 
 @struct.dataclass
 class DecodeState:
-    cache: KVCache
+    cache: Cache
     tokens_BxT: jax.Array  # generated tokens; slots past num_out_B hold -1
     num_out_B: jax.Array  # int32 tokens generated so far
     done_B: jax.Array  # bool: hit EOS or its max-new-tokens

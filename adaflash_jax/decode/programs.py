@@ -71,7 +71,7 @@ def prefill_slots(target, drafter, s, slots_I, prompt_IxQ, prompt_len_I, max_new
         fresh = drafter.init_context_cache(n, capacity, dtype=ctx.dtype)
         fresh = constrain_rows(spec.rows, fresh, n)
         entries = drafter.context_entries(fresh, out.features_BxTxnD)
-        ctx = _scatter_rows(ctx, fresh.write(*entries, advance=prompt_len_I), slots_I)
+        ctx = _scatter_rows(ctx, fresh.commit(entries, prompt_len_I), slots_I)
     blank_IxS = jnp.full((n, s.out_BxS.shape[1]), -1, jnp.int32)
     zero_I, true_I = jnp.zeros((n,), jnp.int32), jnp.ones((n,), bool)
 

@@ -21,14 +21,14 @@ from flax import struct
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy
-from adaflash_jax.model.kv_cache import KVCache
+from adaflash_jax.model.cache import Cache
 from adaflash_jax.sharding.rows import RowLayout
 
 
 @struct.dataclass
 class SpecState:
-    target_cache: KVCache
-    context_cache: KVCache | None  # drafter context (None on the plain path)
+    target_cache: Cache
+    context_cache: Cache | None  # drafter context (None on the plain path)
     bonus_B: jax.Array  # int32 last committed token
     out_BxS: jax.Array  # int32 generated tokens, -1 past num_out
     num_out_B: jax.Array  # int32

@@ -4,12 +4,11 @@ Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
 
 A drafted step: the drafter proposes K−1 tokens after each row's bonus, the policy asks for
 widths, the target verifies at the bucket, row b accepts n_b drafts and commits n_b + 1
-tokens (drafts + a new bonus); both caches take the new entries and move their lengths by
-n_b + 1 in one place (`KVCache.write`): the rollback of the rejected rest. On a hybrid target
-that write also replays each row's n_b + 1 accepted tokens through its Gated DeltaNet states
-(docs/design.md §5.2), so no state is kept per verified position. A plain step (no
-drafter, or a policy's undrafted step) runs the target over each row's bonus in "write"
-cache mode and picks the next token.
+tokens (drafts + a new bonus); both caches commit them in one place (`Cache.commit`): the
+rejected rest is never committed. On a hybrid target that commit also replays each row's
+n_b + 1 accepted tokens through its Gated DeltaNet states (docs/design.md §5.2), so no state
+is kept per verified position. A plain step (no drafter, or a policy's undrafted step) runs
+the target over each row's bonus in "write" cache mode and picks the next token.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.buckets[-1]), 0).astype(jnp.int32)
     drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
     tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
-    accepted_B, bonus_B, target_kv, context_kv, recurrent, bucket = verify(
+    accepted_B, bonus_B, target_entries, context_entries, bucket = verify(
         target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key_accept
     )
     accepted_B = jnp.where(active_B, accepted_B, 0)
@@ -68,8 +67,8 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     s = s.replace(verified=s.verified + jnp.sum(width_B), computed=s.computed + computed)
     outcome = Outcome(verified_B=active_B, width_B=width_B, accepted_B=accepted_B)
     return s.replace(
-        target_cache=s.target_cache.write(*target_kv, advance=advance_B, recurrent=recurrent),
-        context_cache=s.context_cache.write(*context_kv, advance=advance_B),
+        target_cache=s.target_cache.commit(target_entries, advance_B),
+        context_cache=s.context_cache.commit(context_entries, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         policy_state=spec.policy.observe(outcome, policy_state),
         rng=rng,

@@ -14,10 +14,10 @@ Each branch runs the target in "read" cache mode (a branch that wrote the cache 
 XLA copy it every step; see `model/target.py`) and accepts there: the logits never leave
 their branch (padding them to K and accepting outside would cost as much as the forward at
 small widths). It computes the drafter-context entries of its committable tokens too, and
-returns both caches' new entries in the row layout padded to K; the step writes them after
-the switch. On a hybrid target the Gated DeltaNet layers return their per-token recurrence
-inputs instead of keys/values (`model/recurrent_state.py`), padded the same way: the write
-replays each row's accepted prefix of them, so the state ends at the row's own accepted length.
+returns both caches' per-layer entries (`model/cache.py`) in the row layout padded to K; the
+step commits them after the switch. A hybrid target's Gated DeltaNet layers return their
+per-token recurrence inputs as entries, padded the same way: the commit replays each row's
+accepted prefix of them, so the state ends at the row's own accepted length.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size,
         rows=spec.rows,
         packing=packing,
     )
-    ctx_kv = drafter.context_entries(s.context_cache, to_rows(packing, out.features_BxTxnD))
+    ctx_entries = drafter.context_entries(s.context_cache, to_rows(packing, out.features_BxTxnD))
     logits_MxV = out.logits_BxTxV.reshape(layout.tokens, -1).astype(jnp.float32)
     accepted_B, bonus_B = accept(
         spec.accept_fn,
@@ -67,14 +67,13 @@ def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size,
         s.temperature,
         spec.top_p(s),
     )
-    new = _pad_to(k, out.new_kv), _pad_to(k, ctx_kv), _pad_to(k, out.new_recurrent)
-    return accepted_B, bonus_B, *new
+    return accepted_B, bonus_B, _pad_to(k, out.entries), _pad_to(k, ctx_entries)
 
 
 def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
-    """Returns (accepted_B, bonus_B, the target's new (k, v) and the drafter context's, each
-    per layer [B, K, Kv, Dh] with zeros past a row's tokens, the target's per-layer recurrent
-    entries (() unless hybrid), and the bucket: W padded, M packed)."""
+    """Returns (accepted_B, bonus_B, the target's and the drafter context's per-layer entries
+    of the verified tokens [B, K, ...] with zeros past a row's tokens, and the bucket: W
+    padded, M packed)."""
     sizes = spec.token_buckets if spec.packed else spec.buckets
     need = jnp.sum(width_B) if spec.packed else jnp.max(width_B)
     sizes_N = jnp.asarray(sizes, jnp.int32)

@@ -21,7 +21,8 @@ from adaflash_jax.drafter import masks
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.length_head import LengthHead
 from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
-from adaflash_jax.model.kv_cache import KVCache, empty_cache
+from adaflash_jax.model.cache import Cache
+from adaflash_jax.model.kv_cache import KVEntries, KVLayer
 from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
@@ -107,29 +108,35 @@ class Drafter(nnx.Module):
         """Target features of committed tokens → one context vector per token."""
         return self.hidden_norm(self.fc(features_BxTxnD))
 
-    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
-        return empty_cache(self.config, batch, capacity, dtype or self.dtype)
+    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> Cache:
+        """Per drafter layer the context keys/values of every committed token (`KVLayer`)."""
+        cfg, dtype = self.config, dtype or self.dtype
+        kv = dict(kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=dtype)
+        layers = [KVLayer.create(batch=batch, capacity=capacity, **kv) for _ in self.layers]
+        return Cache.create(layers, batch=batch, capacity=capacity, dtype=dtype)
 
-    def context_entries(self, cache: KVCache, features_BxTxnD) -> tuple[tuple, tuple]:
-        """Every layer's context keys/values [B, T, Kv, Dh] for T newly committed tokens at
-        `cache.positions(T)`, WITHOUT writing them (the engine computes them inside a verify
-        branch, over that branch's width only, and writes them with `KVCache.write`)."""
+    def context_entries(self, cache: Cache, features_BxTxnD) -> tuple[KVEntries, ...]:
+        """Every layer's context entries (keys/values [B, T, Kv, Dh] in the cache dtype) of
+        T committed tokens' features at `cache.positions(T)`, for `Cache.commit` (the engine
+        computes them inside a verify branch, over that branch's width only)."""
         positions_BxT = cache.positions(features_BxTxnD.shape[1])
         ctx_BxTxD = self.fuse(features_BxTxnD)
-        kv = [layer.self_attn.keys_values(ctx_BxTxD, positions_BxT) for layer in self.layers]
-        return tuple(k for k, _ in kv), tuple(v for _, v in kv)
+        entries = []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            k, v = layer.self_attn.keys_values(ctx_BxTxD, positions_BxT)
+            dtype = layer_cache.k_BxSxKvxDh.dtype
+            entries.append(KVEntries(k.astype(dtype), v.astype(dtype)))
+        return tuple(entries)
 
-    def append_context(self, cache: KVCache, features_BxTxnD, num_new_B=None) -> KVCache:
-        """Projects newly committed tokens' features into every layer's context K/V.
-
-        Entries past `num_new_B[b]` (default: all T) are written but not committed.
-        """
+    def append_context(self, cache: Cache, features_BxTxnD, num_new_B=None) -> Cache:
+        """Commits T tokens' features into every layer's context (all T, or each row's first
+        `num_new_B[b]`)."""
         b, t, _ = features_BxTxnD.shape
-        advance = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
-        return cache.write(*self.context_entries(cache, features_BxTxnD), advance=advance)
+        n_B = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+        return cache.commit(self.context_entries(cache, features_BxTxnD), n_B)
 
     # ---- serving: one block per row --------------------------------------------------------
-    def draft(self, cache: KVCache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
+    def draft(self, cache: Cache, bonus_B, embedding_VxD, lm_head_DxV) -> DraftOutput:
         """Drafts K−1 tokens after each row's last committed token, in one forward pass.
 
         The bonus token sits at position `cache.lengths[b]`: the context holds features of
@@ -142,14 +149,14 @@ class Drafter(nnx.Module):
             [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
         )
         positions_BxK = cache.positions(k)
-        views = {}  # window → (gathered slots [B, W−1] or None, mask)
+        views = {}  # (window, capacity) → (gathered slots [B, W−1] or None, mask)
         x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
         for i, layer in enumerate(self.layers):
-            window = cfg.layer_window(i)
-            if window not in views:
-                views[window] = _serving_view(cache.lengths, cache.capacity, k, window)
-            slots_BxW, mask = views[window]
-            ctx_k, ctx_v = cache.k[i], cache.v[i]
+            window, ctx = cfg.layer_window(i), cache.layers[i]
+            if (window, ctx.capacity) not in views:
+                views[window, ctx.capacity] = _serving_view(cache.lengths, ctx.capacity, k, window)
+            slots_BxW, mask = views[window, ctx.capacity]
+            ctx_k, ctx_v = ctx.k_BxSxKvxDh, ctx.v_BxSxKvxDh
             if slots_BxW is not None:
                 ctx_k, ctx_v = _gather_slots(ctx_k, slots_BxW), _gather_slots(ctx_v, slots_BxW)
             x = layer(x, positions_BxK, ctx_k, ctx_v, mask)

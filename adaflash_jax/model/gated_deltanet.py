@@ -10,12 +10,10 @@ q and k L2-normalised and repeated to the value heads; the gated delta rule
 `Qwen3_5GatedDeltaNet` is the reference; its parameter names are kept.
 
 The call has the attention layer's shape (`model/target.py` runs one layer loop over both):
-- no cache (training): the chunked form from a zero state;
-- "write" cache mode (prefill, plain decoding): from the layer's `RecurrentState`, the first
-  `advance_B[b]` tokens of row b move it (padding past them does not), returning the new state;
-  the recurrent form for one token, the chunked form for more;
-- "read" cache mode (verify): outputs from the state, which is left as it was; returns the
-  `RecurrentEntries` that `RecurrentState.advance` replays once acceptance is known.
+without a cache (training) the chunked form from a zero state; with the layer's
+`RecurrentState`, outputs from that state (the recurrent form for one token, the chunked form
+for more), which is left as it was, and the pass's `RecurrentEntries`, which
+`RecurrentState.commit` replays for the tokens kept (`model/cache.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from adaflash_jax.model.delta_rule import (
 )
 from adaflash_jax.model.layers import Dense
 from adaflash_jax.model.packing import to_rows, to_tokens
-from adaflash_jax.model.recurrent_state import RecurrentEntries, RecurrentState, shift_history
+from adaflash_jax.model.recurrent_state import RecurrentEntries, RecurrentState
 
 
 class GatedRMSNorm(nnx.Module):
@@ -89,16 +87,15 @@ class GatedDeltaNet(nnx.Module):
             heads=self.heads,
             key_dim=self.key_dim,
             value_dim=self.value_dim,
+            chunk=self.chunk,
         )
 
-    def __call__(
-        self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, advance_B=None, packing=None
-    ):
+    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, packing=None):
         """Same shape as the attention layer's call; `cache` is this layer's RecurrentState.
-        Returns (output [B, T, D], the new state ("write"), the entries ("read") or None).
-        With a `packing` ("read" mode), x is the packed stream [M, 1, D]: the projections
-        run there, the conv and the recurrence per row in the row layout [B, W, ...], where
-        the entries return."""
+        Returns (output [B, T, D], the pass's entries, or None without a cache). With a
+        `packing`, x is the packed stream [M, 1, D]: the projections run there, the conv and
+        the recurrence per row in the row layout [B, W, ...], where the entries return."""
+        del positions_BxT, mask, lengths_B  # a recurrence is causal by construction
         qkv_BxTxX = to_rows(packing, self.in_proj_qkv(x_BxTxD))
         b, t, _ = qkv_BxTxX.shape
         state = self.init_state(b) if cache is None else cache
@@ -115,26 +112,16 @@ class GatedDeltaNet(nnx.Module):
         a_BxTxJ = to_rows(packing, self.in_proj_a(x_BxTxD).astype(jnp.float32))
         decay_J = jnp.exp(self.A_log[...].astype(jnp.float32))
         g_BxTxJ = -decay_J * jax.nn.softplus(a_BxTxJ + self.dt_bias[...].astype(jnp.float32))
-        entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
-        new = None
-        if lengths_B is not None:  # "read": nothing moves; the caller replays `entries`
-            g_w, beta_w, new = g_BxTxJ, beta_BxTxJ, entries
-        else:  # tokens past a row's advance leave its state alone
-            n_B = jnp.full((b,), t, jnp.int32) if advance_B is None else advance_B
-            keep_BxTx1 = (jnp.arange(t)[None, :] < n_B[:, None])[..., None]
-            g_w, beta_w = (
-                jnp.where(keep_BxTx1, g_BxTxJ, 0.0),
-                jnp.where(keep_BxTx1, beta_BxTxJ, 0.0),
-            )
-        form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_w, beta_w, state.state_BxJxDkxDv)
+        form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ, state.state_BxJxDkxDv)
         if t == 1:
-            out_BxTxJxDv, final = recurrent_form(*form_args)
+            out_BxTxJxDv, _ = recurrent_form(*form_args)
         else:
-            out_BxTxJxDv, final = chunked_form(*form_args, chunk=self.chunk)
-        if cache is not None and lengths_B is None:
-            new = RecurrentState(shift_history(state.history_BxA1xX, qkv_BxTxX, n_B), final)
+            out_BxTxJxDv, _ = chunked_form(*form_args, chunk=self.chunk)
+        entries = None
+        if cache is not None:
+            entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
         out = to_tokens(packing, out_BxTxJxDv)
         lead = x_BxTxD.shape[:2]  # (B, T), or (M, 1) packed
         z = self.in_proj_z(x_BxTxD).reshape(*lead, self.heads, self.value_dim)
         normed = self.norm(out.astype(self.dtype), z)
-        return self.out_proj(normed.reshape(*lead, -1)), new
+        return self.out_proj(normed.reshape(*lead, -1)), entries

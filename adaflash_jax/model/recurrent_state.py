@@ -4,26 +4,30 @@
 Dimensions: B rows, T new tokens per row, X conv channels (q, k, v before the conv), A conv
 taps (A − 1 of history), J value heads, Dk / Dv key / value head dims.
 
-An attention cache commits tokens by moving lengths; a recurrence has no lengths. So a pass
-that may not commit all its tokens (the engine's verify, "read" cache mode) returns the
-recurrence's per-token inputs (`RecurrentEntries`: the conv inputs and the post-conv k, v, g,
-β, all B·T·(X + J·(Dk + Dv + 2)) numbers, against the state's B·J·Dk·Dv), and `advance` replays
-the cheap recurrence over each row's first n_b of them: a token past n_b gets g = 0 and β = 0,
-which leaves the state as it was, and the conv history shifts by n_b. The state is float32.
+A cache kind of `model/cache.py`. An attention cache drops tokens by moving lengths; a
+recurrence cannot. So the layer's pass returns the recurrence's per-token inputs
+(`RecurrentEntries`: the conv inputs and the post-conv k, v, g, β, all B·T·(X + J·(Dk + Dv +
+2)) numbers, against the state's B·J·Dk·Dv), and `commit` replays the cheap recurrence over
+each row's first n_b tokens of its path: a token past n_b gets g = 0 and β = 0, which leaves
+the state as it was (`kept`: the one commit mask), and the conv history shifts by n_b. The
+state is float32.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from adaflash_jax.model.cache import path_entries
 from adaflash_jax.model.delta_rule import DEFAULT_CHUNK, chunked_form
 
 
 @struct.dataclass
 class RecurrentEntries:
-    """One pass's per-token recurrence inputs, for `RecurrentState.advance`."""
+    """One pass's per-token recurrence inputs, for `RecurrentState.commit`."""
 
     qkv_BxTxX: jax.Array  # conv inputs (for the history)
     k_BxTxJxDk: jax.Array  # after the conv, L2-normalised, repeated to the value heads
@@ -31,34 +35,47 @@ class RecurrentEntries:
     g_BxTxJ: jax.Array  # log decay (≤ 0)
     beta_BxTxJ: jax.Array
 
+    def kept(self, n_B) -> RecurrentEntries:
+        """The entries with each row's tokens past its first `n_B[b]` made state-neutral
+        (g = 0, β = 0): the one commit mask."""
+        t = self.g_BxTxJ.shape[1]
+        keep_BxTx1 = (jnp.arange(t)[None, :] < n_B[:, None])[..., None]
+        return self.replace(
+            g_BxTxJ=jnp.where(keep_BxTx1, self.g_BxTxJ, 0.0),
+            beta_BxTxJ=jnp.where(keep_BxTx1, self.beta_BxTxJ, 0.0),
+        )
+
 
 @struct.dataclass
 class RecurrentState:
     history_BxA1xX: jax.Array  # the last A − 1 conv inputs, float32
     state_BxJxDkxDv: jax.Array  # the delta rule's state, float32
+    chunk: int = struct.field(pytree_node=False, default=DEFAULT_CHUNK)  # the replay's
+    rolls_back: ClassVar[bool] = False
 
     @classmethod
-    def create(cls, *, batch, taps, channels, heads, key_dim, value_dim):
+    def create(cls, *, batch, taps, channels, heads, key_dim, value_dim, chunk=DEFAULT_CHUNK):
         return cls(
             history_BxA1xX=jnp.zeros((batch, taps - 1, channels), jnp.float32),
             state_BxJxDkxDv=jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32),
+            chunk=chunk,
         )
 
-    def advance(self, new: RecurrentEntries, n_B, chunk: int = DEFAULT_CHUNK) -> RecurrentState:
-        """The state after each row's first `n_B[b]` tokens of `new` (the rest dropped)."""
-        t = new.g_BxTxJ.shape[1]
-        keep_BxTx1 = (jnp.arange(t)[None, :] < n_B[:, None])[..., None]
-        q_dummy = jnp.zeros_like(new.k_BxTxJxDk)
+    def commit(self, entries: RecurrentEntries, lengths_B, path_BxP, n_B) -> RecurrentState:
+        """The state after each row's first `n_B[b]` tokens of its path through `entries`."""
+        del lengths_B  # a recurrence has no positions
+        new = path_entries(entries, path_BxP).kept(n_B)
         _, state = chunked_form(
-            q_dummy,
+            jnp.zeros_like(new.k_BxTxJxDk),  # no outputs are read
             new.k_BxTxJxDk,
             new.v_BxTxJxDv,
-            jnp.where(keep_BxTx1, new.g_BxTxJ, 0.0),
-            jnp.where(keep_BxTx1, new.beta_BxTxJ, 0.0),
+            new.g_BxTxJ,
+            new.beta_BxTxJ,
             self.state_BxJxDkxDv,
-            chunk,
+            self.chunk,
         )
-        return RecurrentState(shift_history(self.history_BxA1xX, new.qkv_BxTxX, n_B), state)
+        history = shift_history(self.history_BxA1xX, new.qkv_BxTxX, n_B)
+        return self.replace(history_BxA1xX=history, state_BxJxDkxDv=state)
 
 
 def shift_history(history_BxA1xX, new_BxTxX, n_B):

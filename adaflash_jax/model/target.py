@@ -5,21 +5,21 @@ Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
 H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
 
 One layer loop serves every use: training (no cache: causal over T), and T new tokens per
-row at `cache.positions(T)`, causal among themselves and seeing every committed entry, in
-one of two cache modes:
-- "write" (prefill, plain decoding): each layer writes its new keys/values into the cache
-  and attends over it; the returned cache has the new lengths.
-- "read" (the speculative engine's verify): each layer only reads the cache and the
-  forward returns the new keys/values (`new_kv`) for the caller to write. The engine
-  verifies inside a `lax.switch` over width buckets inside a `while_loop`, and XLA copies a
-  buffer that a conditional branch updates (jax-ml/jax#5986, #38145): the whole KV cache,
-  every step. Read mode keeps the cache out of the branch's outputs; the engine writes the
-  new entries once, after the switch (`KVCache.write`).
+row at `cache.positions(T)`, causal among themselves and seeing every committed entry. With
+a cache every layer only reads its own (`model/cache.py`) and returns its per-token entries;
+the cache mode says who commits them:
+- "write" (prefill, plain decoding): the forward commits every row's first `num_new_B[b]`
+  tokens (`Cache.commit`) and returns the new cache;
+- "read" (the speculative engine's verify): the forward returns the entries (`entries`) and
+  the engine commits the accepted tokens after acceptance. The engine verifies inside a
+  `lax.switch` over width buckets inside a `while_loop`, and XLA copies a buffer that a
+  conditional branch updates (jax-ml/jax#5986, #38145): the whole cache, every step. So the
+  cache stays out of the branch's outputs and is committed once, after the switch.
 It can return the outputs of chosen decoder layers, the drafter's context features.
 A Qwen3-MoE layer differs only in its MLP (`model/moe.py`), chosen per layer by the config.
 A hybrid (Qwen3.5) layer's mixer is a Gated DeltaNet (`model/gated_deltanet.py`) or gated
 attention, per `layer_types`; both take the same call, and a DeltaNet's cache is its
-`RecurrentState` ("read" mode returns its per-token entries in `new_recurrent` instead).
+`RecurrentState` (its entries: the recurrence's per-token inputs).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from adaflash_jax.model.cache import Cache
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
 from adaflash_jax.model.gated_deltanet import GatedDeltaNet
-from adaflash_jax.model.kv_cache import KVCache, empty_cache, write_rows
+from adaflash_jax.model.kv_cache import KVEntries, KVLayer
 from adaflash_jax.model.layers import (
     AttentionProjections,
     Dense,
@@ -56,10 +57,9 @@ class TargetOutput:
     logits_BxTxV: jax.Array | None
     features_BxTxnD: jax.Array | None  # chosen layers' features (`TargetLM.feature`), in
     # request order, concatenated
-    cache: KVCache | None  # "write" mode: the cache with the new entries, lengths moved
-    new_kv: tuple[tuple, tuple] | None = None  # "read" mode: per-layer [B, T, Kv, Dh] keys,
-    # values in the cache dtype, not written (None on a recurrent layer)
-    new_recurrent: tuple = ()  # "read" mode on a hybrid: per layer RecurrentEntries or None
+    cache: Cache | None  # "write" mode: the cache with the new tokens committed
+    entries: tuple | None = None  # "read" mode: per layer its entries of the T tokens (K/V
+    # in the cache dtype, or a recurrence's inputs), for `Cache.commit`
 
 
 class Attention(AttentionProjections):
@@ -80,37 +80,23 @@ class Attention(AttentionProjections):
         )
 
     def __call__(
-        self,
-        x_BxTxD,
-        positions_BxT,
-        mask_BxTxS,
-        cache_kv=None,
-        lengths_B=None,
-        _=None,
-        packing=None,
+        self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, lengths_B=None, packing=None
     ):
-        """Without `cache_kv`: attention over x under the mask. With the layer's cache
-        (k, v) and `mask_BxTxS` ("write" mode): writes the new entries and attends over the
-        written cache, returning the updated (k, v). With the cache and the committed
-        `lengths_B` instead of a mask ("read" mode): attends over [cache ; new] without
-        writing, returning the new (k, v) in the cache dtype. The sixth argument (a row's
-        committed count, which a recurrent mixer needs) is unused: the lengths commit. With
-        a `packing` ("read" mode), x is the packed stream [M, 1, D]: the projections run
-        there, the attention per row in the row layout, and (k, v) return in it [B, W, ...]."""
+        """Without `cache`: attention over x under the mask. With the layer's cache and the
+        rows' committed `lengths_B`: attention over [committed entries ; the new tokens
+        (causal)], returning the new keys/values as this layer's entries (`KVEntries`, in the
+        cache dtype). With a `packing`, x is the packed stream [M, 1, D]: the projections run
+        there, the attention per row in the row layout, where the entries return [B, W, ...]."""
         q, gate = self.gated_queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
         q, k, v = (to_rows(packing, a) for a in (q, k, v))
-        if cache_kv is None:
+        if cache is None:
             return self.output(attend(q, k, v, mask_BxTxS), gate), None
-        cache_k, cache_v = cache_kv
-        if lengths_B is None:
-            k_all = write_rows(cache_k, k, positions_BxT)
-            v_all = write_rows(cache_v, v, positions_BxT)
-            out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxS)
-            return self.output(out, gate), (k_all, v_all)
-        k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
-        out = attend_cached(q, cache_k, cache_v, lengths_B, k.astype(q.dtype), v.astype(q.dtype))
-        return self.output(to_tokens(packing, out), gate), (k, v)
+        k, v = k.astype(cache.k_BxSxKvxDh.dtype), v.astype(cache.v_BxSxKvxDh.dtype)
+        out = attend_cached(
+            q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k.astype(q.dtype), v.astype(q.dtype)
+        )
+        return self.output(to_tokens(packing, out), gate), KVEntries(k, v)
 
 
 class DecoderLayer(nnx.Module):
@@ -137,21 +123,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(
-        self,
-        x,
-        positions,
-        mask,
-        cache=None,
-        lengths_B=None,
-        advance_B=None,
-        rows=None,
-        packing=None,
-    ):
-        """`cache`: this layer's (k, v) or RecurrentState; returns (x, its new cache part)."""
+    def __call__(self, x, positions, mask, cache=None, lengths_B=None, rows=None, packing=None):
+        """`cache`: this layer's cache (read only); returns (x, its entries or None)."""
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
         h = self.input_layernorm(x)
-        mixed, new = mixer(h, positions, mask, cache, lengths_B, advance_B, packing)
+        mixed, new = mixer(h, positions, mask, cache, lengths_B, packing)
         x = x + mixed
         h = self.post_attention_layernorm(x)
         x = x + (self.mlp(h, rows) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -226,22 +202,28 @@ class TargetLM(nnx.Module):
     def logits(self, hidden_BxTxD):
         return jnp.dot(hidden_BxTxD.astype(self.dtype), self.lm_head_DxV().astype(self.dtype))
 
-    def init_cache(self, batch: int, capacity: int, dtype=None) -> KVCache:
+    def init_cache(self, batch: int, capacity: int, dtype=None) -> Cache:
         """K/V for attention layers (in `dtype`), a float32 RecurrentState for DeltaNets."""
-        cfg = self.config
-        recurrent = ()
-        if cfg.is_hybrid:
-            recurrent = tuple(
-                None if layer.linear_attn is None else layer.linear_attn.init_state(batch)
-                for layer in self.layers
+        cfg, dtype = self.config, dtype or self.dtype
+        layers = [
+            KVLayer.create(
+                batch=batch,
+                capacity=capacity,
+                kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                dtype=dtype,
             )
-        return empty_cache(cfg, batch, capacity, dtype or self.dtype, recurrent)
+            if layer.linear_attn is None
+            else layer.linear_attn.init_state(batch)
+            for layer in self.layers
+        ]
+        return Cache.create(layers, batch=batch, capacity=capacity, dtype=dtype)
 
     def __call__(
         self,
         tokens_BxT: jax.Array,
         *,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         cache_mode: str = "write",
         positions_BxT: jax.Array | None = None,
         num_new_B: jax.Array | None = None,
@@ -255,9 +237,9 @@ class TargetLM(nnx.Module):
 
         Without a cache the tokens attend causally to each other (training). With a cache,
         row b's tokens sit at `cache.positions(T)` and see every committed entry before them.
-        "write" mode returns the cache with `lengths + num_new_B` (default T): padding past
-        `num_new_B[b]` is written but left uncommitted. "read" mode leaves the cache alone
-        and returns the new entries (`new_kv`). `rows` keeps the activations' rows split over
+        "write" mode returns the cache with each row's first `num_new_B[b]` tokens (default
+        T) committed: padding past them is not. "read" mode leaves the cache alone and
+        returns the layers' entries (`entries`). `rows` keeps the activations' rows split over
         those mesh axes (FSDP: weights are gathered, activations never are); a MoE layer
         routes each row shard's tokens on its own chip. With a `packing` ("read" mode only),
         `tokens_BxT` is the packed stream [M, 1] (`model/packing.py`): logits and features
@@ -277,17 +259,12 @@ class TargetLM(nnx.Module):
             raise ValueError("packed tokens verify against a cache in read mode")
         if segment_ids_BxT is not None and self.config.is_hybrid:
             raise ValueError("packed segments would share a recurrent state: unpack for hybrids")
-        advance_B = None if num_new_B is None else num_new_B.astype(jnp.int32)
         lengths_B = mask_BxTxS = None
         if cache is not None:
+            lengths_B = cache.lengths
             positions_BxT = (
-                cache.positions(t) if packing is None else packing.positions(cache.lengths)[:, None]
+                cache.positions(t) if packing is None else packing.positions(lengths_B)[:, None]
             )
-            if cache_mode == "read":
-                lengths_B = cache.lengths
-            else:
-                key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
-                mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
         else:
             if positions_BxT is None:
                 positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -296,30 +273,19 @@ class TargetLM(nnx.Module):
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
         x = constrain_rows(rows, self.embed(tokens_BxT), b)
-        features, ks, vs, states = {}, [], [], []
+        features, entries = {}, []
         for i, layer in enumerate(self.layers):
-            layer_cache = cache.layer(i) if cache is not None else None
-            x, new = layer(
-                x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, advance_B, rows, packing
-            )
+            layer_cache = None if cache is None else cache.layers[i]
+            x, new = layer(x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, rows, packing)
             x = constrain_rows(rows, x, b)
-            recurrent = layer.linear_attn is not None
-            k_new, v_new = (None, None) if recurrent or new is None else new
-            ks.append(k_new)
-            vs.append(v_new)
-            states.append(new if recurrent else None)
+            entries.append(new)
             if i in feature_layers:
                 features[i] = self.feature(i, x)
         hidden = self.norm(x)
-        new_cache, new_kv = None, None
-        states = tuple(states) if self.config.is_hybrid else ()
-        if cache is not None and cache_mode == "read":
-            new_kv = (tuple(ks), tuple(vs))
-        elif cache is not None:
-            advance = jnp.full((b,), t, jnp.int32) if advance_B is None else advance_B
-            new_cache = KVCache(
-                k=tuple(ks), v=tuple(vs), lengths=cache.lengths + advance, recurrent=states
-            )
+        new_cache, entries = None, tuple(entries) if cache is not None else None
+        if cache is not None and cache_mode == "write":
+            n_B = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+            new_cache, entries = cache.commit(entries, n_B), None
         feats = (
             jnp.concatenate([features[i] for i in feature_layers], axis=-1)
             if feature_layers
@@ -330,6 +296,5 @@ class TargetLM(nnx.Module):
             logits_BxTxV=self.logits(hidden) if compute_logits else None,
             features_BxTxnD=feats,
             cache=new_cache,
-            new_kv=new_kv,
-            new_recurrent=states if cache_mode == "read" else (),
+            entries=entries,
         )

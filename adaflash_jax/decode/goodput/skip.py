@@ -76,7 +76,7 @@ def flush(drafter, s, when=True):
 
     def project():
         entries = drafter.context_entries(s.context_cache, p.pending_BxUxnD)
-        return s.context_cache.write(*entries, advance=p.pending_B), jnp.zeros_like(p.pending_B)
+        return s.context_cache.commit(entries, p.pending_B), jnp.zeros_like(p.pending_B)
 
     ctx, pending_B = jax.lax.cond(
         jnp.any(p.pending_B > 0) & when, project, lambda: (s.context_cache, p.pending_B)
