@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.decode.policy import NEVER, Decision
 from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.model import DraftOutput
 from adaflash_jax.io.cost_table import VerifyCostTable
@@ -56,7 +57,7 @@ class WobblePolicy:
     name = "wobble"
     needs_length_head = False
     needs_accept_head = False
-    programs = ()
+    may_skip = False
 
     def validate(self, **_):
         pass
@@ -71,22 +72,22 @@ class WobblePolicy:
     def observe(self, outcome, state):
         return state
 
+    def speculate(self, state, active_B, *, undrafted, switching, buckets, token_buckets=()):
+        return Decision(draft=jnp.asarray(True), probe_in=jnp.asarray(NEVER, jnp.int32))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftEveryNth:
-    """`goodput`'s widths, estimates and skip arm, but drafting once `n` undrafted steps ran,
-    and no probes. The undrafted program asks only between runs of steps (a flush, a probe
-    or a finished row), so with `goodput.pending_steps=n` it drafts after every `n`."""
+    """`goodput`'s widths and estimates, but drafting once `n` undrafted steps ran, and no
+    probes. The undrafted loop asks only between runs of steps (a flush, a probe or a
+    finished row), so on an engine with `pending_steps=n` it drafts after every `n`."""
 
     goodput: GoodputPolicy
     n: int = 2
     name = "draft-every-nth"
     needs_length_head = False
     needs_accept_head = False
-
-    @property
-    def programs(self):
-        return self.goodput.programs
+    may_skip = True
 
     def validate(self, **kw):
         self.goodput.validate(**kw)
@@ -100,11 +101,8 @@ class DraftEveryNth:
     def observe(self, outcome, state):
         return self.goodput.observe(outcome, state)
 
-    def speculate(self, state, active_B, *, buckets, switching, token_buckets=()):
-        return state.undrafted >= self.n
-
-    def probe_interval(self, state, active_B, *, buckets, token_buckets=()):
-        return jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)
+    def speculate(self, state, active_B, *, undrafted, switching, buckets, token_buckets=()):
+        return Decision(draft=undrafted >= self.n, probe_in=jnp.asarray(NEVER, jnp.int32))
 
 
 def always_accept(key, next_M, q_MxV, logits_MxV, last_M, temperature, top_p):

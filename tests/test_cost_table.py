@@ -166,8 +166,7 @@ def dataclasses_replace_rows(table, rows, widths):
 
 @functools.partial(jax.jit, static_argnames=("policy",))
 def _widths(policy, draft):
-    slots = Slots(count=draft.active_B.shape[0], block_size=8, feature_dim=4,
-                  feature_dtype=jnp.float32)  # fmt: skip
+    slots = Slots(count=draft.active_B.shape[0], block_size=8)
     return policy.widths(draft, policy.init(slots))[0]
 
 

@@ -104,7 +104,7 @@ def test_goodput_undrafted_steps_stay_lossless(target, bigram, reference):
     """Drafted and undrafted (plain: the recurrent form, state moved in "write" mode) steps
     interleaved: the same tokens as plain greedy decoding. (Probes, and goodput under
     sampling, run on a hybrid in test_sampled_lossless.py.)"""
-    goodput = GoodputPolicy(cost=skip_cost_table(100.0), pending_steps=2)
+    goodput = GoodputPolicy(cost=skip_cost_table(100.0))
     engine = SpeculativeEngine(
         target,
         TableDrafter(_drafter_cfg(), bigram),
@@ -112,6 +112,7 @@ def test_goodput_undrafted_steps_stay_lossless(target, bigram, reference):
         capacity=CAPACITY,
         buckets=(1, 2, 4),
         policy=DraftEveryNth(goodput=goodput, n=2),
+        pending_steps=2,
     )
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference

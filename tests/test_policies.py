@@ -17,6 +17,7 @@ from adaflash_jax.decode.goodput.policy import (
     length_head_accept_probs,
 )
 from adaflash_jax.decode.policy import AdaFlashPolicy, Draft, FixedPolicy, PolicyError, Slots
+from adaflash_jax.decode.undrafted import probe_outcome
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 K = 8
@@ -45,7 +46,7 @@ def _input(b=5, accept=None, r=None, active=None, seed=0):
 
 
 def _slots(b):
-    return Slots(count=b, block_size=K, feature_dim=4, feature_dtype=jnp.float32)
+    return Slots(count=b, block_size=K)
 
 
 @functools.partial(jax.jit, static_argnames=("policy",))
@@ -146,8 +147,6 @@ def test_policy_errors():
         GoodputPolicy(cost=TABLE).validate(buckets=(1, 3), has_length_head=True)
     with pytest.raises(PolicyError, match="length head"):
         AdaFlashPolicy().validate(buckets=BUCKETS, has_length_head=False)
-    with pytest.raises(PolicyError, match="pending_steps"):
-        GoodputPolicy(cost=TABLE, pending_steps=0)
 
 
 def test_entering_drafting_must_pay_for_the_switch():
@@ -162,6 +161,12 @@ def test_entering_drafting_must_pay_for_the_switch():
     # a = 0.6: width 4 commits 2.18 → 0.64 with the switch, 1.15 shared
     # a = 0.9: width 8 commits 5.17 in 1.6 ms, 3.6 with the switch → 1.44 tokens/ms
     active = jnp.ones((1,), bool)
+
+    def drafts(policy, state, switching):
+        return bool(
+            policy.speculate(state, active, undrafted=0, switching=switching, buckets=BUCKETS).draft
+        )
+
     for a, stay, enter, enter_shared in (
         (0.2, False, False, False),
         (0.5, True, False, False),
@@ -169,12 +174,10 @@ def test_entering_drafting_must_pay_for_the_switch():
         (0.9, True, True, True),
     ):
         state = whole.init(_slots(1)).replace(est_BxKm1=jnp.full((1, K - 1), a))
-        assert bool(whole.speculate(state, active, buckets=BUCKETS, switching=False)) == stay, a
-        assert bool(whole.speculate(state, active, buckets=BUCKETS, switching=True)) == enter, a
+        assert drafts(whole, state, False) == stay, a
+        assert drafts(whole, state, True) == enter, a
         assert bool(whole.drafting_gain(state, active, buckets=BUCKETS) > 1.0) == enter, a
-        assert bool(shared.speculate(state, active, buckets=BUCKETS, switching=True)) == (
-            enter_shared
-        ), a
+        assert drafts(shared, state, True) == enter_shared, a
     with pytest.raises(PolicyError, match="switch_horizon"):
         GoodputPolicy(cost=table, switch_horizon=0.5)
     assert VerifyCostTable.from_json({**TABLE.to_json(), "switch_ms": 2.0}) == table
@@ -211,6 +214,12 @@ def test_probe_interval_bounds_the_probe_overhead():
     assert int(policy.probe_interval(state, active, buckets=BUCKETS)) == want
     every = GoodputPolicy(cost=TABLE, probe_every=3)
     assert int(every.probe_interval(state, active, buckets=BUCKETS)) == 3
+    # the answer the engine reads: that interval once the policy has seen a drafter forward,
+    # a probe at once before any (a fresh state's prior is unset)
+    ask = dict(undrafted=0, switching=True, buckets=BUCKETS)
+    learnt = state.replace(prior_Km1=jnp.full((K - 1,), 0.5))
+    assert int(every.speculate(learnt, active, **ask).probe_in) == 3
+    assert int(every.speculate(state, active, **ask).probe_in) == 0
 
 
 def test_calibration_exponent_fits_the_realised_acceptance():
@@ -265,7 +274,7 @@ def test_a_probe_is_graded_against_the_tokens_committed_after_it():
         ]
     )
     drafts = jnp.array([[6, 7, 0], [7, 8, 9], [1, 2, 3], [6, 7, 8]])
-    realised, width, graded = calibration.probe_outcome(
+    realised, width, graded = probe_outcome(
         drafts,
         jnp.array([1, 2, 2, 1]),
         jnp.array([True, True, True, False]),
@@ -275,7 +284,7 @@ def test_a_probe_is_graded_against_the_tokens_committed_after_it():
     assert realised.tolist()[:2] == [2, 3]
     assert width.tolist()[:3] == [4, 4, 1]
     assert graded.tolist() == [True, True, False, False]
-    partial = calibration.probe_outcome(
+    partial = probe_outcome(
         drafts[:1], jnp.array([1]), jnp.array([True]), out[:1], jnp.array([2])
     )  # one position committed (6): one accepted over width 2
     assert [int(x[0]) for x in partial] == [1, 2, 1]

@@ -127,15 +127,17 @@ SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
         (AdaFlashPolicy(threshold=0), "packed"),  # each row verifies its own tokens only
         (GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False), "padded"),
         (GoodputPolicy(cost=SKIP_TABLE, probe_every=2), "padded"),
-        # asked between runs of undrafted steps: a 2-step buffer ends each
-        (DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE, pending_steps=2), n=2), "padded"),
+        # asked between runs of undrafted steps: a 2-step buffer (pending_steps) ends each
+        (DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE), n=2), "padded"),
     ],
     ids=["adaflash", "adaflash-packed", "goodput", "goodput-skip-probing", "mixed"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy, verify):
     if verify == "packed" and models[0].config.is_hybrid:
         pytest.skip("packing's sampled acceptance is layout-only: the dense target shows it")
-    outputs, results = _speculative(models, buckets=(1, 2, 4), policy=policy, verify=verify)
+    outputs, results = _speculative(
+        models, buckets=(1, 2, 4), policy=policy, verify=verify, pending_steps=2
+    )
     requested = [w for r in results for w in r.requested_widths]
     assert set(requested) - {4}, f"the policy should shorten some blocks, asked {set(requested)}"
     undrafted = np.mean([w == 0 for w in requested])

@@ -11,13 +11,13 @@ from doubles import DraftEveryNth, TableDrafter, WobblePolicy
 from flax import nnx
 
 from adaflash_jax.decode.generate import generate
-from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
+from adaflash_jax.decode.loops import DRAFTED, UNDRAFTED, admit
 from adaflash_jax.decode.policy import AdaFlashPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.decode.state import bucket_set
-from adaflash_jax.decode.step import admit
+from adaflash_jax.decode.undrafted import flush
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.cost_table import VerifyCostTable
@@ -252,11 +252,11 @@ def test_goodput_skip_arm_is_lossless_and_follows_the_cost(
     drafter = TableDrafter(_drafter_cfg(4), bigram)
     cost = _skip_table(draft_ms)
     policy = (
-        DraftEveryNth(goodput=GoodputPolicy(cost=cost, pending_steps=2), n=2)
+        DraftEveryNth(goodput=GoodputPolicy(cost=cost), n=2)
         if expect == "mixed"
         else GoodputPolicy(cost=cost, probe_every=probe_every)
     )
-    engine = _engine(target, drafter, policy=policy)
+    engine = _engine(target, drafter, policy=policy, pending_steps=2)
     results = engine.generate(_requests())
     assert [r.output_ids for r in results] == reference["plain"]
     _check_stats(results, engine)
@@ -287,12 +287,9 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     state = admit(engine.prefill(engine.init_state(0), [(0, PROMPTS[1], 30)]), engine.spec)
     # as if a drafter forward had just said drafting does not pay
     p = state.policy_state
-    state = state.replace(
-        policy_state=p.replace(
-            est_BxKm1=jnp.zeros_like(p.est_BxKm1), undrafted=jnp.int32(0), probe_due_at=jnp.int32(3)
-        )
-    )
-    engine._program = skip.UNDRAFTED
+    zeros = jnp.zeros_like(p.est_BxKm1)
+    state = state.replace(policy_state=p.replace(est_BxKm1=zeros, prior_Km1=zeros[0]))
+    engine._program = UNDRAFTED
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)
     requested = np.asarray(state.request_BxS[0, :steps]).tolist()
     assert requested[:3] == [0, 0, 0] and all(w > 0 for w in requested[3:]), requested
@@ -310,8 +307,14 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     engine = _engine(target, drafter, policy=policy)
     assert engine.learnt is None
     slots = engine.policy_slots
+    active = jnp.ones((engine.slots,), bool)
+
+    def probe_in(state):  # the policy's answer from the undrafted loop, before any step
+        ask = dict(undrafted=0, switching=True, buckets=engine.buckets)
+        return int(policy.speculate(state, active, **ask).probe_in)
+
     unlearnt = engine.init_state(0).policy_state  # no drafter forward: nothing learnt
-    assert int(policy.init(slots, unlearnt).probe_due_at) == 0  # the first loop probes
+    assert probe_in(policy.init(slots, unlearnt)) == 0  # the first loop probes
     for call, expect_probes in (("first", 1), ("second", 0), ("reset", 1)):
         if call == "reset":
             engine.learnt = None  # forget what the first call learnt
@@ -333,10 +336,10 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     start = engine.init_state(0).policy_state
     np.testing.assert_allclose(start.prior_Km1, learnt.prior_Km1)
     assert float(start.log_gamma) == pytest.approx(float(learnt.log_gamma))
-    assert int(start.probe_due_at) == 1  # the first probe waits for the interval
+    assert probe_in(start) == 1000  # the first probe waits for the interval
     broken = learnt.replace(log_gamma=jnp.float32(jnp.nan))
     fresh = policy.init(slots, broken)  # NaN is never carried into the next call
-    assert float(fresh.prior_Km1[0]) < 0 and int(fresh.probe_due_at) == 0
+    assert float(fresh.prior_Km1[0]) < 0 and probe_in(fresh) == 0
     with pytest.raises(ValueError, match="positions"):
         policy.init(slots, learnt.replace(prior_Km1=jnp.ones((1,))))
 
@@ -349,26 +352,30 @@ def test_context_stays_in_sync_across_drafted_and_undrafted_steps(
     features hold exactly the target features of every committed token, as if appended from
     scratch. The double is asked between runs of undrafted steps, which end as the buffer
     fills: (2, 2) switches after every flush; (7, 3) flushes twice before it does."""
-    goodput = GoodputPolicy(cost=_skip_table(100.0), pending_steps=pending_steps)
+    goodput = GoodputPolicy(cost=_skip_table(100.0))
     engine = _engine(
-        target, drafter, policy=DraftEveryNth(goodput=goodput, n=draft_every), eos_ids=()
+        target,
+        drafter,
+        policy=DraftEveryNth(goodput=goodput, n=draft_every),
+        eos_ids=(),
+        pending_steps=pending_steps,
     )
     prompts = [PROMPTS[1], PROMPTS[4]]
     state = engine.init_state(0)
-    engine._program = skip.DRAFTED
+    engine._program = DRAFTED
     state = engine.prefill(state, [(0, prompts[0], 40), (1, prompts[1], 40)])
     state, steps, calls, _ = engine.run(state, stop_on_finish=False, max_steps=18)
     assert steps == 18 and not np.any(state.done_B), "every row must still be running"
     assert calls > 2, "the run should switch between the drafted and undrafted programs"
     requested = np.asarray(state.request_BxS[:, :steps])
     assert (requested == 0).any() and (requested > 0).any(), requested
-    pending_B = np.asarray(state.policy_state.pending_B)
+    pending_B = np.asarray(state.undrafted.pending_B)
     assert pending_B.max() <= pending_steps
     np.testing.assert_array_equal(
         np.asarray(state.context_cache.lengths) + pending_B, state.target_cache.lengths
     )
-    state = jax.jit(skip.flush, static_argnums=0)(drafter, state)
-    assert not np.any(state.policy_state.pending_B)
+    state = jax.jit(flush, static_argnums=0)(drafter, state)
+    assert not np.any(state.undrafted.pending_B)
 
     @nnx.jit  # one program for every row (eager dispatch compiles every op on its own)
     def from_scratch(target, drafter, seq, n):
@@ -428,7 +435,7 @@ def test_drafted_steps_calibrate_their_rows(target, bigram):
     policy = GoodputPolicy(cost=free_drafts, probe_every=1000)
     engine = _unsure_engine(target, bigram, policy, eos_ids=())
     state = engine.prefill(engine.init_state(0), [(0, PROMPTS[1], 30)])
-    engine._program = skip.DRAFTED
+    engine._program = DRAFTED
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=6)
     assert np.all(np.asarray(state.request_BxS[0, :steps]) > 0), "every step drafts"
     accepted = np.asarray(state.accepted_BxS[0, :steps])

@@ -9,15 +9,17 @@ states and distributions, never the sampled drafts, so sampled decoding stays lo
 a requested width w_b in [1, K] per row (the bonus + w − 1 drafts; padded verify runs the
 batch at the smallest bucket >= the largest active request, packed verify each row at its
 own), and `observe` learns from what the engine
-did (`Outcome`). Policies are frozen dataclasses: hashable, so they travel in the engine's
-static spec into `jax.jit`. A policy may bring its own loop programs (goodput's skip arm:
-`goodput/skip.py`); `fixed` and `adaflash` run the engine's drafted loop (`step.py`).
+did (`Outcome`). Between steps the engine asks `speculate` (`Decision`): whether the next
+step drafts, and how many undrafted steps may pass before the rows' estimates need a fresh
+drafter forward (a probe). Only a policy with `may_skip` ever says no; the engine then runs
+its undrafted loop (`decode/undrafted.py`). The engine owns every loop; a policy only
+answers. Policies are frozen dataclasses: hashable, so they travel in the engine's static
+spec into `jax.jit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -39,8 +41,6 @@ class Slots:
 
     count: int  # B
     block_size: int  # K
-    feature_dim: int  # nD: target features one committed token adds to the drafter context
-    feature_dtype: Any
 
 
 @struct.dataclass
@@ -74,8 +74,16 @@ class Outcome:
     accepted_B: jax.Array | None = None  # int32: drafts accepted
 
 
-# (target, drafter, state, spec, stop_on_finish, max_steps) → (state, steps, finished, next)
-Program = Callable[..., tuple]
+@struct.dataclass
+class Decision:
+    """A policy's answer between steps."""
+
+    draft: jax.Array  # bool scalar: the next step drafts
+    probe_in: jax.Array  # int32 scalar: undrafted steps after the rows' latest drafter
+    # forward before the next probe (0: at once)
+
+
+NEVER = 2**30  # a probe interval that never comes
 
 
 class LengthPolicy(Protocol):
@@ -84,8 +92,7 @@ class LengthPolicy(Protocol):
     name: str
     needs_length_head: bool  # `widths` reads Draft.length_r_B
     needs_accept_head: bool  # `widths` reads Draft.head_accept_BxKm1
-    # loop programs the engine switches between (the first runs first); (): its drafted loop
-    programs: tuple[Program, ...]
+    may_skip: bool  # `speculate` may answer "don't draft" (the engine's undrafted loop)
 
     def validate(
         self, *, buckets: tuple[int, ...], has_length_head: bool, fills: tuple = ()
@@ -102,12 +109,18 @@ class LengthPolicy(Protocol):
 
     def observe(self, outcome: Outcome, state: PolicyState) -> PolicyState: ...
 
+    def speculate(
+        self, state: PolicyState, active_B, *, undrafted, switching: bool, buckets, token_buckets
+    ) -> Decision:
+        """Between steps: `undrafted` (int32 scalar) undrafted steps ran since the rows'
+        latest drafter forward; `switching`: asked from the undrafted loop."""
+
 
 class Stateless:
-    """A policy that keeps nothing, reads no acceptance output and runs the drafted loop."""
+    """A policy that keeps nothing, reads no acceptance output and always drafts."""
 
     needs_accept_head = False
-    programs = ()
+    may_skip = False
 
     def validate(self, *, buckets, has_length_head, fills=()):
         pass
@@ -117,6 +130,9 @@ class Stateless:
 
     def observe(self, outcome: Outcome, state: PolicyState) -> PolicyState:
         return state
+
+    def speculate(self, state, active_B, *, undrafted, switching, buckets, token_buckets):
+        return Decision(draft=jnp.asarray(True), probe_in=jnp.asarray(NEVER, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

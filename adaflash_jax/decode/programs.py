@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from adaflash_jax.decode.loops import PROGRAMS
 from adaflash_jax.decode.state import SpecState
-from adaflash_jax.decode.step import commit_tokens, decode_loop
+from adaflash_jax.decode.step import commit_tokens
 from adaflash_jax.decode.tokens import pick_tokens
 from adaflash_jax.sharding.rows import constrain_rows
 
@@ -28,10 +29,10 @@ def _merge(model):
 
 @functools.partial(jax.jit, static_argnames=("spec", "program"), donate_argnames=("s",))
 def run_loop(target, drafter, s: SpecState, stop_on_finish, max_steps, *, spec, program=0):
-    """Runs loop program `program` (an index into the policy's programs, or the engine's
-    drafted loop) until it stops (`step.may_continue`) or the policy wants another program.
-    Returns (state, steps run, slots finished, the program to run next)."""
-    run = (spec.policy.programs or (decode_loop,))[program]
+    """Runs loop program `program` (`loops.DRAFTED` or `loops.UNDRAFTED`) until it stops
+    (`loops.may_continue`) or the policy wants the other. Returns (state, steps run, slots
+    finished, the program to run next)."""
+    run = PROGRAMS[program]
     b = s.done_B.shape[0]
     s = constrain_rows(spec.rows, s, b)
     s, *rest = run(_merge(target), _merge(drafter), s, spec, stop_on_finish, max_steps)

@@ -4,7 +4,8 @@ The device runs a loop program of jitted steps (`programs.run_loop`) until an ac
 finishes; the host then harvests finished slots, prefills the next queued requests into the
 free ones (one jitted prefill per group, prompt lengths and row counts padded to powers of
 two to bound compiles) and continues until the queue is empty and every slot is done. A
-policy with several loop programs (goodput's skip arm) says which runs next.
+policy that may skip drafting (goodput) says which of the engine's two loop programs runs
+next (`loops.py`).
 
     engine = SpeculativeEngine(target, drafter, slots=4, capacity=512, policy=AdaFlashPolicy())
     results = engine.generate([(prompt_ids, max_new_tokens), ...])   # list[Result]
@@ -24,8 +25,9 @@ from flax import nnx
 
 from adaflash_jax.decode import programs
 from adaflash_jax.decode.drafting import EngineDrafter
+from adaflash_jax.decode.loops import DRAFTED, UNDRAFTED
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError, Slots
-from adaflash_jax.decode.state import EngineSpec, SpecState, bucket_set
+from adaflash_jax.decode.state import EngineSpec, SpecState, Undrafted, bucket_set
 from adaflash_jax.drafter.hf_config import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
@@ -80,7 +82,9 @@ class SpeculativeEngine:
     slots. One compiled loop program per (slots, bucket set, policy, sampling mode). With
     `rows` the slots' state is split over those mesh axes (`sharding.rows`). `verify`:
     "padded" runs every row at the bucket of the widest request, "packed" only each row's
-    own tokens, padded to a token bucket (`token_buckets`, default `token_bucket_set`)."""
+    own tokens, padded to a token bucket (`token_buckets`, default `token_bucket_set`).
+    `pending_steps`: the undrafted steps whose drafter-context entries one batched pass
+    commits (`undrafted.py`; only a policy that may skip drafting runs them)."""
 
     def __init__(
         self,
@@ -100,12 +104,15 @@ class SpeculativeEngine:
         rows: RowLayout | None = None,
         verify: str = "padded",
         token_buckets: Sequence[int] | None = None,
+        pending_steps: int = 32,
     ):
         cfg = target.config
         if verify not in VERIFY_LAYOUTS:
             raise EngineError(f"verify must be one of {VERIFY_LAYOUTS}, got {verify!r}")
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
+        if pending_steps < 1:
+            raise EngineError(f"pending_steps must be >= 1, got {pending_steps}")
         if capacity > cfg.max_position_embeddings:
             raise EngineError(
                 f"cache capacity {capacity} exceeds the target's max_position_embeddings "
@@ -160,18 +167,16 @@ class SpeculativeEngine:
             policy=policy,
             acceptance=acceptance,
             rows=rows,
+            pending=pending_steps if drafter is not None and policy.may_skip else 0,
         )
-        # what the policy sizes its state by: nD = the target features a committed token adds
-        nd = len(self.spec.feature_layers) * cfg.hidden_size
-        self.policy_slots = Slots(
-            count=slots, block_size=k, feature_dim=nd, feature_dtype=target.dtype
-        )
+        self.policy_slots = Slots(count=slots, block_size=k)  # what the policy sizes its state by
+        self.first_program = UNDRAFTED if drafter is not None and policy.may_skip else DRAFTED
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
         # the policy state the latest `generate` ended with (None: none, or a stateless policy)
         self.learnt = None
         self.last_run: dict = {}  # loop steps and probes of the latest `generate`
-        self._program = 0  # the loop program `run` continues with
+        self._program = self.first_program  # the loop program `run` continues with
 
     # ---- validation -----------------------------------------------------------------------
     def check_request(self, i: int, prompt: Sequence[int], max_new: int) -> None:
@@ -216,6 +221,13 @@ class SpeculativeEngine:
             probes=jnp.zeros((), jnp.int32),
             verified=jnp.zeros((), jnp.int32),
             computed=jnp.zeros((), jnp.int32),
+            undrafted=Undrafted.create(
+                batch=b,
+                block_size=self.block_size,
+                pending=self.spec.pending,
+                feature_dim=len(self.spec.feature_layers) * self.target.config.hidden_size,
+                dtype=self.target.dtype,
+            ),
             policy_state=self.policy.init(self.policy_slots, self.learnt),
             temperature=jnp.asarray(self.temperature, jnp.float32),
             top_p=jnp.asarray(self.top_p, jnp.float32),
@@ -268,7 +280,7 @@ class SpeculativeEngine:
         for i, (prompt, max_new) in enumerate(requests):
             self.check_request(i, prompt, max_new)
         state = self.init_state(self.seed)
-        self._program = 0
+        self._program = self.first_program
         queue = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}  # slot → request index

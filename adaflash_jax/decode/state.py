@@ -1,13 +1,15 @@
 """The speculative engine's state and static spec (docs/design.md §5.1).
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
-eos ids, K block size, W verify width (a bucket), M verify tokens (a token bucket).
+eos ids, K block size, W verify width (a bucket), M verify tokens (a token bucket), U
+deferred context positions, nD concatenated target features.
 
 Invariants of a live slot b: `bonus_B[b]` is the last committed token; neither its target
-K/V nor its features exist yet, so `target_cache.lengths[b]` is its position (and so is
-`context_cache.lengths[b]`, unless a policy defers context entries: goodput's skip arm).
-Finished and free slots ride along masked: nothing they compute is committed. The plain
-path (`drafter is None`) uses the same state with width 1 and no drafter context.
+entries nor its features exist yet, so `target_cache.lengths[b]` is its position, and
+`context_cache.lengths[b] + undrafted.pending_B[b]` too (undrafted steps defer their
+tokens' context entries: `Undrafted`). Finished and free slots ride along masked: nothing
+they compute is committed. The plain path (`drafter is None`) uses the same state with width
+1 and no drafter context.
 """
 
 from __future__ import annotations
@@ -17,12 +19,48 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy
 from adaflash_jax.model.cache import Cache
 from adaflash_jax.sharding.rows import RowLayout
+
+
+@struct.dataclass
+class Undrafted:
+    """What the undrafted loop (`decode/undrafted.py`) leaves for later: its steps' target
+    features, projected into the drafter context in one batched pass (a flush), and the
+    latest probe, graded against the tokens committed after it."""
+
+    pending_BxUxnD: jax.Array  # target features not yet in the drafter context
+    pending_B: jax.Array  # int32 positions held per row
+    probe_drafts_BxKm1: jax.Array  # int32 greedy drafts of the row's latest probe
+    probe_at_B: jax.Array  # int32 the row's output length at that probe
+    probe_live_B: jax.Array  # bool: that probe is of the row's current request, ungraded
+    steps: jax.Array  # int32 scalar: undrafted steps since the rows' latest drafter forward
+    probe_due_at: jax.Array  # int32 scalar: `steps` at which a probe is due
+
+    @classmethod
+    def create(cls, *, batch, block_size, pending, feature_dim, dtype) -> Undrafted:
+        b, km1 = batch, block_size - 1
+        return cls(
+            pending_BxUxnD=jnp.zeros((b, pending, feature_dim), dtype),
+            pending_B=jnp.zeros((b,), jnp.int32),
+            probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
+            probe_at_B=jnp.zeros((b,), jnp.int32),
+            probe_live_B=jnp.zeros((b,), bool),
+            steps=jnp.zeros((), jnp.int32),
+            probe_due_at=jnp.zeros((), jnp.int32),
+        )
+
+    def admitted(self, started_B) -> Undrafted:
+        """Rows that took a new request defer nothing, and their probe is of the old one."""
+        return self.replace(
+            pending_B=jnp.where(started_B, 0, self.pending_B),
+            probe_live_B=self.probe_live_B & ~started_B,
+        )
 
 
 @struct.dataclass
@@ -45,6 +83,7 @@ class SpecState:
     verified: jax.Array  # int32 scalar: Σ over verify steps of the active rows' widths
     computed: jax.Array  # int32 scalar: Σ over verify steps of the tokens the target ran
     # (B·W padded, the token bucket M packed)
+    undrafted: Undrafted  # deferred context entries and the latest probe
     policy_state: Any  # the length policy's own pytree (`LengthPolicy.init`)
     temperature: jax.Array  # float32 scalar
     top_p: jax.Array  # float32 scalar
@@ -65,6 +104,7 @@ class EngineSpec:
     policy: LengthPolicy = FixedPolicy()
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
     rows: RowLayout | None = None  # slots split over mesh axes (None: every chip holds all)
+    pending: int = 0  # U: undrafted steps whose context entries one flush commits
 
     def __post_init__(self):
         # A serving engine's buckets end at K (`bucket_set`); a spec whose largest bucket W
@@ -86,7 +126,12 @@ class EngineSpec:
         acceptance share prefill programs."""
         k = self.block_size
         return dataclasses.replace(
-            self, buckets=(k,), token_buckets=(), policy=FixedPolicy(), acceptance=None
+            self,
+            buckets=(k,),
+            token_buckets=(),
+            policy=FixedPolicy(),
+            acceptance=None,
+            pending=0,
         )
 
     def top_p(self, s: SpecState):

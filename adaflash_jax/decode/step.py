@@ -1,4 +1,4 @@
-"""One engine step for all slots, and the engine's drafted loop program (docs/design.md §5).
+"""One engine step for all slots: drafted or plain (docs/design.md §5).
 
 Dimensions: B slots, K block size, W verify width (a bucket), S cache capacity.
 
@@ -70,6 +70,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
         target_cache=s.target_cache.commit(target_entries, advance_B),
         context_cache=s.context_cache.commit(context_entries, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
+        undrafted=s.undrafted.replace(steps=jnp.zeros_like(s.undrafted.steps)),
         policy_state=spec.policy.observe(outcome, policy_state),
         rng=rng,
     )
@@ -95,45 +96,3 @@ def plain_step(target, s: SpecState, spec: EngineSpec, *, requested: int):
     s = record(s, active_B, jnp.zeros_like(advance_B), 1, jnp.full_like(advance_B, requested))
     s = s.replace(target_cache=out.cache, bonus_B=jnp.where(active_B, tok_B, s.bonus_B), rng=rng)
     return s, out.features_BxTxnD
-
-
-# ---- loop programs ---------------------------------------------------------------------------
-def admit(s: SpecState, spec: EngineSpec) -> SpecState:
-    """Tells the policy which rows took new requests since it last looked (a loop's entry)."""
-    policy_state = spec.policy.observe(Outcome(started_B=s.started_B), s.policy_state)
-    return s.replace(policy_state=policy_state, started_B=jnp.zeros_like(s.started_B))
-
-
-def may_continue(carry, stop_on_finish, max_steps):
-    """A loop carry (state, steps run, rows finished) may take another step: a row is
-    active, `max_steps` did not run yet, and no row finished if `stop_on_finish`."""
-    s, it, finished = carry
-    return jnp.any(~s.done_B) & (it < max_steps) & ~(stop_on_finish & (finished > 0))
-
-
-def counting(step):
-    """`step` (state → state) as a loop body over (state, steps run, rows finished)."""
-
-    def body(carry):
-        s, it, finished = carry
-        before_B = ~s.done_B
-        s = step(s)
-        return s, it + 1, finished + jnp.sum((before_B & s.done_B).astype(jnp.int32))
-
-    return body
-
-
-def decode_loop(target, drafter, s, spec, stop_on_finish, max_steps):
-    """The engine's loop program: drafted steps (plain ones without a drafter) while
-    `may_continue`. Returns (state, steps run, slots finished, next program: 0, this one)."""
-
-    def step(s):
-        if drafter is None:
-            return plain_step(target, s, spec, requested=1)[0]
-        return drafted_step(target, drafter, s, spec)
-
-    carry = (admit(s, spec), jnp.int32(0), jnp.int32(0))
-    s, steps, finished = jax.lax.while_loop(
-        lambda c: may_continue(c, stop_on_finish, max_steps), counting(step), carry
-    )
-    return s, steps, finished, jnp.int32(0)

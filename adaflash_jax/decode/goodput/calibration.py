@@ -11,8 +11,8 @@ a_i ↦ a_i^γ (γ < 1 lifts an under-confident estimator, γ > 1 lowers an over
 the ordering is kept). Each outcome (a draft of known estimates graded over width W, n drafts
 accepted) moves the row's calibrated expected count Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the
 way towards n, and γ is refit to that count. Outcomes come from drafted steps and from probes
-graded after the fact (`skip.py`; with sampling, the drafter's argmax matching the sampled
-token is a proxy for rejection-sampling acceptance). Only committed tokens are read, so
+graded after the fact (`decode/undrafted.py`; with sampling, the drafter's argmax matching
+the sampled token is a proxy for rejection-sampling acceptance). Only committed tokens are read, so
 decisions stay lossless. A fresh request starts from the engine-wide EMA of all outcomes.
 """
 
@@ -98,18 +98,3 @@ def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
     n = jnp.sum(graded_B)
     mean = jnp.sum(jnp.where(graded_B, fit_2B[b:], 0.0)) / jnp.maximum(n, 1)
     return rows_B, jnp.where(n > 0, mean, log_gamma)
-
-
-def probe_outcome(drafts_BxKm1, at_B, live_B, out_BxS, num_out_B):
-    """How a probe's drafts (for output positions at_B[b] .. at_B[b] + K − 2) fared against
-    the tokens committed since. Returns (realised_B: leading matches, width_B: 1 + positions
-    committed so far, graded_B: live rows with at least one such position)."""
-    b, km1 = drafts_BxKm1.shape
-    s = out_BxS.shape[1]
-    avail_B = jnp.clip(num_out_B - at_B, 0, km1)
-    j_Km1 = jnp.arange(km1, dtype=jnp.int32)
-    pos_BxKm1 = jnp.clip(at_B[:, None] + j_Km1[None, :], 0, s - 1)
-    committed_BxKm1 = jnp.take_along_axis(out_BxS, pos_BxKm1, axis=1)
-    match_BxKm1 = (committed_BxKm1 == drafts_BxKm1) & (j_Km1[None, :] < avail_B[:, None])
-    realised_B = jnp.sum(jnp.cumprod(match_BxKm1.astype(jnp.int32), axis=1), axis=1)
-    return realised_B, avail_B + 1, live_B & (avail_B > 0)

@@ -1,7 +1,7 @@
 """The goodput length policy (`LengthPolicy`) and its acceptance estimators (docs/design.md §5.4).
 
 Dimensions: B slots, K block size, NW widths (the verify buckets), NM packed verify's token
-buckets, V vocab, U deferred context positions, nD concatenated target features.
+buckets, V vocab.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
 step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
@@ -13,12 +13,13 @@ row: for each M, the M − n extra tokens of n active rows go to the largest inc
 Π_{j<=i} a_j over all rows (optimal: each row's increments shrink with i), and the M with
 the most tokens per ms of the table's packed form wins.
 
-With `skip_draft` (the "don't speculate" arm: two loop programs, `skip.py`), a plain step
-(width 1, no drafter forward) runs instead when its rate beats drafting's best, judged from
-each row's latest drafter forward (a drafted step's or a probe's; a fresh request starts at
-the engine's running mean, 1 before any), calibrated to the row's realised acceptance
-(`calibration.py`). Decisions read earlier steps only and an undrafted step is exactly a
-plain step, so decoding stays lossless. Without the arm the policy keeps no state.
+With `skip_draft` (the "don't speculate" arm: the engine's undrafted loop,
+`decode/undrafted.py`), a plain step (width 1, no drafter forward) runs instead when its rate
+beats drafting's best, judged from each row's latest drafter forward (a drafted step's or a
+probe's; a fresh request starts at the engine's running mean, 1 before any), calibrated to
+the row's realised acceptance (`calibration.py`); the policy also says how often to probe.
+Decisions read earlier steps only and an undrafted step is exactly a plain step, so decoding
+stays lossless. Without the arm the policy keeps no state.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from adaflash_jax.decode.goodput import skip
 from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
-from adaflash_jax.decode.policy import Draft, Outcome, PolicyError, Slots
+from adaflash_jax.decode.policy import NEVER, Decision, Draft, Outcome, PolicyError, Slots
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
@@ -73,20 +73,12 @@ def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gam
 # ---- the policy ----------------------------------------------------------------------------
 @struct.dataclass
 class GoodputState:
-    """The skip arm's state: the rows' estimates and calibration, the latest probe, and the
-    drafter-context entries deferred by undrafted steps (`skip.py`)."""
+    """The skip arm's state: the rows' estimates and their calibration."""
 
     est_BxKm1: jax.Array  # float32 raw acceptance estimate of the row's latest draft
     prior_Km1: jax.Array  # float32 EMA of rows' estimates (negative: no forward yet)
     log_gamma_B: jax.Array  # float32 log calibration exponent γ per row (calibration.py)
     log_gamma: jax.Array  # float32 the same over all rows: a fresh request's start
-    probe_drafts_BxKm1: jax.Array  # int32 greedy drafts of the row's latest probe
-    probe_at_B: jax.Array  # int32 the row's output length at that probe
-    probe_live_B: jax.Array  # bool: that probe is of the row's current request, ungraded
-    undrafted: jax.Array  # int32 scalar: undrafted steps since the estimates were refreshed
-    probe_due_at: jax.Array  # int32 scalar: `undrafted` count at which a probe is due
-    pending_BxUxnD: jax.Array  # undrafted steps' target features not yet in the context
-    pending_B: jax.Array  # int32 positions held per row
 
     def refreshed(self, a_BxKm1: jax.Array, active_B: jax.Array) -> GoodputState:
         """After a drafter forward estimated `a_BxKm1`: the active rows' estimates, and the
@@ -99,7 +91,6 @@ class GoodputState:
         return self.replace(
             est_BxKm1=jnp.where(active_B[:, None], a_BxKm1, self.est_BxKm1),
             prior_Km1=jnp.where(n > 0, ema_Km1, self.prior_Km1),
-            undrafted=jnp.zeros_like(self.undrafted),
         )
 
 
@@ -119,8 +110,6 @@ class GoodputPolicy:
     # drafted steps one switch from the undrafted program is spread over (1: the first step
     # alone must pay for it)
     switch_horizon: float = 4.0
-    # U: undrafted steps whose target features wait for one batched drafter-context pass
-    pending_steps: int = 32
     name = "goodput"
 
     def __post_init__(self):
@@ -135,8 +124,6 @@ class GoodputPolicy:
                 f"need probe_overhead > 0 and max_probe_every >= 1: {self.probe_overhead}, "
                 f"{self.max_probe_every}"
             )
-        if self.pending_steps < 1:
-            raise PolicyError(f"pending_steps must be >= 1, got {self.pending_steps}")
 
     @property
     def needs_length_head(self) -> bool:
@@ -147,8 +134,8 @@ class GoodputPolicy:
         return self.estimator == "head"
 
     @property
-    def programs(self):
-        return (skip.undrafted_loop, skip.drafted_loop) if self.skip_draft else ()
+    def may_skip(self) -> bool:
+        return self.skip_draft
 
     def validate(self, *, buckets, has_length_head, fills=()):
         unknown = [f for f in fills if f not in self.cost.fills]
@@ -172,33 +159,23 @@ class GoodputPolicy:
 
     def init(self, slots: Slots, previous: GoodputState | None = None):
         """Nothing without the skip arm. With it, from what an earlier call learnt (`previous`:
-        its prior and engine-wide γ, unless nothing or non-finite); then the first probe
-        waits for the interval instead of coming at once."""
+        its prior and engine-wide γ, unless nothing or non-finite); a learnt state waits for
+        the probe interval before its first probe, a fresh one probes at once (`speculate`)."""
         if not self.skip_draft:
             return ()
         b, km1 = slots.count, slots.block_size - 1
-        prior, log_gamma, learnt = np.full((km1,), -1.0, np.float32), np.float32(0.0), False
+        prior, log_gamma = np.full((km1,), -1.0, np.float32), np.float32(0.0)
         if previous is not None:
             p, lg = jax.device_get((previous.prior_Km1, previous.log_gamma))
             if p.size != km1:
                 raise ValueError(f"previous state has {p.size} positions, not K - 1 = {km1}")
-            learnt = bool(p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg))
-            prior, log_gamma = (p, lg) if learnt else (prior, log_gamma)
+            if p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg):
+                prior, log_gamma = p, lg
         return GoodputState(
             est_BxKm1=jnp.ones((b, km1), jnp.float32),
             prior_Km1=jnp.asarray(prior, jnp.float32),
             log_gamma_B=jnp.zeros((b,), jnp.float32),
             log_gamma=jnp.asarray(log_gamma, jnp.float32),
-            probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
-            probe_at_B=jnp.zeros((b,), jnp.int32),
-            probe_live_B=jnp.zeros((b,), bool),
-            undrafted=jnp.zeros((), jnp.int32),
-            # 0: the first undrafted loop probes at once; 1: its entry sets the interval
-            probe_due_at=jnp.asarray(int(learnt), jnp.int32),
-            pending_BxUxnD=jnp.zeros(
-                (b, self.pending_steps, slots.feature_dim), slots.feature_dtype
-            ),
-            pending_B=jnp.zeros((b,), jnp.int32),
         )
 
     def _tokens_per_ms(self, a_BxKm1, log_gamma, active_B, buckets, extra_ms=0.0):
@@ -265,8 +242,6 @@ class GoodputPolicy:
             state = state.replace(
                 est_BxKm1=jnp.where(new_B[:, None], fresh_Km1, state.est_BxKm1),
                 log_gamma_B=jnp.where(new_B, state.log_gamma, state.log_gamma_B),
-                probe_live_B=state.probe_live_B & ~new_B,
-                pending_B=jnp.where(new_B, 0, state.pending_B),
             )
         if outcome.verified_B is not None:
             rows_B, engine = update(
@@ -280,7 +255,7 @@ class GoodputPolicy:
             state = state.replace(log_gamma_B=rows_B, log_gamma=engine)
         return state
 
-    # ---- the skip arm's decisions (skip.py asks them between steps) ----------------------
+    # ---- the skip arm's decisions (the engine asks them between steps) --------------------
     def _rates(self, state, active_B, buckets, token_buckets, switching: bool):
         """(best drafted, plain) expected committed tokens per ms over the active rows."""
         extra_ms = self.cost.switch_ms / self.switch_horizon if switching else 0.0
@@ -290,14 +265,22 @@ class GoodputPolicy:
         num_running = jnp.sum(active_B.astype(jnp.int32))
         return drafted, num_running / self.cost.verify_step_ms(num_running, (1,))[0]
 
-    def speculate(self, state, active_B, *, buckets, switching: bool, token_buckets=()):
-        """Whether the next step drafts (bool scalar): drafting's best expected tokens per ms,
-        from the rows' latest estimates, beats a plain step. From the undrafted program
+    def speculate(self, state, active_B, *, undrafted, switching, buckets, token_buckets=()):
+        """Drafts when drafting's best expected tokens per ms, from the rows' latest
+        estimates, beats a plain step (always, without the arm). From the undrafted loop
         (`switching`) each drafted step is charged its share of the host switch over
         `switch_horizon` steps, so marginal gains do not flip programs back and forth
-        (charging one step the whole switch kept goodput from ever drafting)."""
+        (charging one step the whole switch kept goodput from ever drafting). A probe is due
+        at once before any drafter forward, else after `probe_interval` undrafted steps."""
+        del undrafted  # the interval counts from the latest forward; the engine keeps count
+        if not self.skip_draft:
+            return Decision(draft=jnp.asarray(True), probe_in=jnp.asarray(NEVER, jnp.int32))
         drafted_rate, plain_rate = self._rates(state, active_B, buckets, token_buckets, switching)
-        return drafted_rate > plain_rate
+        interval = self.probe_interval(
+            state, active_B, buckets=buckets, token_buckets=token_buckets
+        )
+        fresh = state.prior_Km1[0] < 0
+        return Decision(draft=drafted_rate > plain_rate, probe_in=jnp.where(fresh, 0, interval))
 
     def drafting_gain(self, state, active_B, *, buckets, token_buckets=()):
         """Best drafted / plain rate from the undrafted program (switch included): > 1 where it
