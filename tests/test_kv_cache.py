@@ -1,4 +1,4 @@
-"""Cache equivalences: cached == uncached, ragged == alone, while_loop == Python loop, read
+"""Cache equivalences: cached == uncached, ragged == alone, the plain decoder == a Python loop, read
 mode + commit == write mode, a commit along a path == the commit of its tokens."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from adaflash_jax.decode.generate import generate, generate_jit, prepare_batch
+from adaflash_jax.decode.generate import generate
+from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.decode.tokens import pick_tokens
 from adaflash_jax.model.cache import path_entries
 from adaflash_jax.model.kv_cache import KVEntries, KVLayer
@@ -158,18 +159,22 @@ def test_greedy_generate_equals_uncached_python_loop(model):
         assert out == seq[len(prompt) :]
 
 
-def _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, seed):
-    """Step-by-step twin of generate_jit with the same RNG schedule, cache and EOS rules."""
+def _python_loop_reference(model, prompts, max_new, temperature, top_p, eos, seed):
+    """Step-by-step twin of the plain engine (`decode.generate`): the same RNG schedule
+    (a split before the prefill's pick, then `rng, _, key = split(rng, 3)` per step), cache
+    and EOS rules; prompts padded as its prefill pads them (16 here)."""
     b, p_pad = len(prompts), 16
     padded = jnp.asarray([p + [0] * (p_pad - len(p)) for p in prompts], jnp.int32)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    out = fwd(model, padded, cache=model.init_cache(b, p_pad + max(max_new)), num_new_B=lengths)
+    capacity = max(len(p) + m for p, m in zip(prompts, max_new))
+    out = fwd(model, padded, cache=model.init_cache(b, capacity), num_new_B=lengths)
     logits_BxV = out.logits_BxTxV[jnp.arange(b), lengths - 1]
+    temp, nucleus = jnp.float32(temperature), jnp.float32(top_p)
     rng, cache = jax.random.key(seed), out.cache
+    rng, key = jax.random.split(rng)
     outputs, done = [[] for _ in range(b)], [False] * b
     while True:
-        rng, key = jax.random.split(rng)
-        tok = pick_tokens(key, logits_BxV, jnp.asarray(temps), jnp.asarray(top_ps)).tolist()
+        tok = pick_tokens(key, logits_BxV, temp, nucleus).tolist()
         for i in range(b):
             if not done[i]:
                 outputs[i].append(tok[i])
@@ -180,26 +185,31 @@ def _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, seed):
         active = jnp.asarray([not d for d in done], jnp.int32)
         step = fwd(model, last, cache=cache, num_new_B=active)
         logits_BxV, cache = step.logits_BxTxV[:, 0], step.cache
+        rng, _, key = jax.random.split(rng, 3)
 
 
-def test_sampled_while_loop_equals_python_loop(model):
+def test_sampled_plain_decoder_equals_python_loop(model):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, V, n).tolist() for n in (5, 11, 8)]
-    temps, top_ps, max_new = [0.0, 0.8, 1.5], [1.0, 0.9, 1.0], [9, 12, 6]
-    no_eos, _ = _python_loop_reference(model, prompts, max_new, temps, top_ps, (), 7)
-    greedy = no_eos[0]
-    eos = (greedy[4],)  # row 0 (greedy) must stop at its 5th token or earlier
-    expected, ref_cache = _python_loop_reference(model, prompts, max_new, temps, top_ps, eos, 7)
-    arrays, static = prepare_batch(
-        CFG, prompts, max_new_tokens=max_new, temperature=temps, top_p=top_ps, eos_ids=eos
+    max_new, seed = [9, 12, 6], 7
+    no_eos, _ = _python_loop_reference(model, prompts, max_new, 0.8, 0.9, (), seed)
+    eos = (no_eos[0][4],)  # row 0 must stop at its 5th token or earlier
+    expected, ref_cache = _python_loop_reference(model, prompts, max_new, 0.8, 0.9, eos, seed)
+    got = generate(
+        model, prompts, max_new_tokens=max_new, temperature=0.8, top_p=0.9, eos_ids=eos, seed=seed
     )
-    final = generate_jit(nnx.split(model), *arrays, jax.random.key(7), **static)
-    got = [final.tokens_BxT[i, : final.num_out_B[i]].tolist() for i in range(3)]
     assert got == expected
-    assert got[0] == greedy[: greedy.index(eos[0]) + 1]
+    assert got[0] == no_eos[0][: no_eos[0].index(eos[0]) + 1]
     # Finished rows stop advancing: committed = prompt + outputs − the last (never fed) token.
+    engine = SpeculativeEngine(
+        model, None, slots=3, capacity=23, temperature=0.8, top_p=0.9, eos_ids=eos, seed=seed
+    )
+    state = engine.prefill(
+        engine.init_state(seed), [(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new))]
+    )
+    state, *_ = engine.run(state, stop_on_finish=False)
     want_lengths = [len(p) + len(o) - 1 for p, o in zip(prompts, got)]
-    np.testing.assert_array_equal(final.cache.lengths, want_lengths)
+    np.testing.assert_array_equal(state.target_cache.lengths, want_lengths)
     np.testing.assert_array_equal(ref_cache.lengths, want_lengths)
 
 

@@ -4,10 +4,10 @@ each verify width, the plain (undrafted) engine step, and the drafter's block fo
 Dimensions: B rows (slots), P padded prompt length, N new tokens, C cache capacity, W verify
 width, K block size.
 
-Each is the project's own jitted entry point: `decode.generate.generate_jit` (regeneration),
-`decode.programs.run_loop` (the engine's device loop, built by
-`decode.slots.SpeculativeEngine` from abstract models), `decode.programs.prefill_slots`
-(its prefill) and `Drafter.draft`. The engine loop
+Each is the project's own jitted entry point: `decode.programs.run_loop` (the engine's device
+loop, built by `decode.slots.SpeculativeEngine` from abstract models; without a drafter it is
+the plain decoder regeneration runs), `decode.programs.prefill_slots` (its prefill) and
+`Drafter.draft`. The engine loop
 runs one step per iteration; XLA's cost analysis counts a while loop's body once, so its
 figures are one step's (plus the loop's small prologue). For a per-width figure the loop is
 compiled with a single bucket W (`EngineSpec` then caps every verify at W): the serving engine
@@ -33,7 +33,6 @@ from adaflash_jax.aot.abstract import (
     struct,
 )
 from adaflash_jax.aot.program import Program
-from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit
 from adaflash_jax.decode.programs import prefill_slots, run_loop
 from adaflash_jax.decode.slots import DEFAULT_BUCKETS, SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
@@ -83,39 +82,21 @@ def models(target_cfg, drafter_cfg, mesh: Mesh, rules: Rules, *, dtype, drafter_
     )
 
 
-def generate_program(m: Models, *, batch: int, prompt_len: int, max_new: int) -> Program:
-    """The regeneration program (`generate_jit`, greedy): prefill + the decode while loop."""
-    p = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
-    layout = m.rows(batch)
-    rows = lambda dtype: struct((batch,), dtype)  # noqa: E731
-    batch_args = (struct((batch, p), jnp.int32), rows(jnp.int32), rows(jnp.int32))
-    batch_args += (rows(jnp.float32), rows(jnp.float32))
-    args = (
-        m.target,
-        *_in_layout(batch_args, layout, batch),
-        jax.eval_shape(lambda: jax.random.key(0)),
+def generate_programs(m: Models, *, batch: int, prompt_len: int, max_new: int) -> list[Program]:
+    """Regeneration's plain decoder (`decode.generate`: the engine without a drafter) at its
+    batch: the prefill of every slot and the plain step."""
+    capacity = prompt_len + max_new
+    prefill = prefill_program(
+        m, slots=batch, capacity=capacity, prompt_len=prompt_len, drafted=False
     )
-    static = dict(
-        max_new_tokens=max_new,
-        capacity=p + max_new,
-        eos_ids=tuple(m.target_cfg.eos_token_ids) or (0,),
-        greedy=True,
-        nucleus=False,
-        rows=layout,
-    )
-    return Program(
-        name="generate",
-        kind="decode",
-        fn=generate_jit,
-        args=args,
-        static=static,
-        weight_bytes=m.target_bytes,
-        rows=batch,
-        notes=(
-            f"batch {batch}, prompt {p}, {max_new} new tokens; counts the prefill plus one "
-            "decode step (the loop body once)",
+    step = plain_program(m, slots=batch, capacity=capacity)
+    note = "regeneration: the plain decoder"
+    return [
+        dataclasses.replace(
+            prefill, name=f"generate prefill B={batch}", notes=(*prefill.notes, note)
         ),
-    )
+        dataclasses.replace(step, name=f"generate B={batch}", notes=(*step.notes, note)),
+    ]
 
 
 def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: bool):
@@ -195,22 +176,25 @@ def packed_engine_programs(m: Models, *, slots: int, capacity: int, fills) -> li
     return out
 
 
-def prefill_program(m: Models, *, slots: int, capacity: int, prompt_len: int) -> Program:
+def prefill_program(
+    m: Models, *, slots: int, capacity: int, prompt_len: int, drafted: bool = True
+) -> Program:
     """The engine's prefill of every slot at once (its first call: all slots free), prompts
-    padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity)."""
-    engine = _engine(m, slots, capacity, 0.0, drafted=True)
+    padded as `SpeculativeEngine` pads them (a power of two, at least 16, within capacity);
+    without the drafter (`drafted=False`), the plain decoder's."""
+    engine = _engine(m, slots, capacity, 0.0, drafted=drafted)
     p = min(max(16, 1 << (prompt_len - 1).bit_length()), capacity)
     rows = lambda: struct((slots,), jnp.int32)  # noqa: E731
     inputs = (rows(), struct((slots, p), jnp.int32), rows(), rows())
     inputs = _in_layout(inputs, engine.spec.rows, slots)
-    args = (m.target, m.drafter, _engine_state(engine), *inputs)
+    args = (m.target, m.drafter if drafted else None, _engine_state(engine), *inputs)
     return Program(
         name=f"prefill B={slots}",
         kind="decode",
         fn=prefill_slots,
         args=args,
         static=dict(spec=engine.spec.prefill_spec),
-        weight_bytes=m.target_bytes + m.drafter_bytes,
+        weight_bytes=m.target_bytes + (m.drafter_bytes if drafted else 0),
         rows=slots,
         notes=(f"{slots} prompts of {p} tokens into a cache of {capacity}",),
     )

@@ -57,10 +57,8 @@ def run_programs(
     )  # fmt: skip
     d = cfg.data
     if "generate" in groups:
-        out.append(
-            dp.generate_program(
-                m, batch=d.regen_batch, prompt_len=d.max_prompt_len, max_new=d.max_new_tokens
-            )
+        out += dp.generate_programs(
+            m, batch=d.regen_batch, prompt_len=d.max_prompt_len, max_new=d.max_new_tokens
         )
     cap = engine_capacity(cfg)
     slots = [(cfg.stage2.collect_slots, cfg.stage2.collect_temperature, "collection")]

@@ -1,9 +1,10 @@
-"""The plain generate loop's decode rate on eagerly built random CPU-sized targets, and the
-untrained drafter the slots comparison drafts with when no trained one is given.
+"""The plain decoder's rate on eagerly built random CPU-sized targets, and the untrained
+drafter the slots comparison drafts with when no trained one is given.
 
-The jitted generate loop runs after a warm-up compile with N new tokens and with 1 (prefill
-and the first sample): decode tokens/s = B·(N−1) / (t_N − t_1) on medians, so prefill does
-not inflate it; end-to-end tokens/s = B·N / t_N is reported too.
+The plain decoder (the engine without a drafter, one slot per row) runs after a warm-up
+compile with N new tokens and with 1 (prefill and the first sample): decode tokens/s =
+B·(N−1) / (t_N − t_1) on medians, so prefill does not inflate it; end-to-end tokens/s =
+B·N / t_N is reported too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.decode.generate import generate_jit, prepare_batch
+from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.model.config import TargetConfig
@@ -73,25 +74,19 @@ def time_callable(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
-def _median_seconds(target, model: TargetLM, prompts, n: int, capacity: int, repeats: int):
-    # No EOS ids: every row runs exactly n tokens. Same capacity for every n.
-    arrays, static = prepare_batch(
-        model.config, prompts, max_new_tokens=n, eos_ids=(), capacity=capacity
-    )
-    key = jax.random.key(0)
-    return statistics.median(
-        time_callable(lambda: generate_jit(target, *arrays, key, **static), repeats)
-    )
+def _median_seconds(engine: SpeculativeEngine, prompts, n: int, repeats: int):
+    requests = [(p, n) for p in prompts]  # no EOS ids: every row runs exactly n tokens
+    return statistics.median(time_callable(lambda: engine.generate(requests), repeats))
 
 
 def bench_plain(model: TargetLM, *, batch: int, prompt_len: int, new_tokens: int, repeats: int):
     """One row: the loop's median seconds, prefill seconds and decode / end-to-end rates."""
-    target = nnx.split(model)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
-    capacity = prompt_len + new_tokens
-    t_full = _median_seconds(target, model, prompts, new_tokens, capacity, repeats)
-    t_one = _median_seconds(target, model, prompts, 1, capacity, repeats)
+    capacity = prompt_len + new_tokens  # the same for every n
+    engine = SpeculativeEngine(model, None, slots=batch, capacity=capacity, eos_ids=())
+    t_full = _median_seconds(engine, prompts, new_tokens, repeats)
+    t_one = _median_seconds(engine, prompts, 1, repeats)
     decode_s = max(t_full - t_one, 1e-9)
     return {
         "mode": "plain",

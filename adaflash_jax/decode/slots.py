@@ -188,11 +188,12 @@ class SpeculativeEngine:
             raise EngineError(f"request {i}: token ids outside the vocabulary [0, {v}): {bad[:5]}")
         if max_new < 1:
             raise EngineError(f"request {i}: max_new_tokens must be >= 1, got {max_new}")
-        need = len(prompt) + max_new + self.block_size
+        # the last step starts at most at position prompt + max_new − 2 and writes K entries
+        need = len(prompt) + max_new + self.block_size - 1
         if need > self.capacity:
             raise EngineError(
                 f"request {i}: prompt {len(prompt)} + max_new {max_new} + block {self.block_size}"
-                f" = {need} exceeds the cache capacity {self.capacity}"
+                f" − 1 = {need} exceeds the cache capacity {self.capacity}"
             )
 
     # ---- device calls ---------------------------------------------------------------------

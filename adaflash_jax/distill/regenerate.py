@@ -3,10 +3,11 @@
 Dimensions: M prompts, P padded prompt length, R max new tokens, S training sequence length.
 
 The drafter must imitate the target, not a dataset's authors (docs/design.md §4.1), so every
-training response is the target's own greedy continuation, produced by the project's
-batched generation (`decode.generate`). A sequence is prompt + response (EOS kept),
-truncated to S and padded; the loss mask covers response tokens only. Prompts are padded
-to ONE length and batches to one size, so the generation program compiles once.
+training response is the target's own greedy continuation, produced by the project's plain
+decoder (`decode.generate`: the engine without a drafter, `batch_size` slots continuously
+batched). A sequence is prompt + response (EOS kept), truncated to S and padded; the loss
+mask covers response tokens only. Every chunk runs on the same slots and capacity, so the
+loop program compiles once.
 
 The dataset directory records a fingerprint of everything that determines its content
 (target, prompts, lengths); a later run with the same fingerprint reuses it.
@@ -20,10 +21,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
-from adaflash_jax.decode.generate import PROMPT_BUCKET, generate_jit, prepare_batch
+from adaflash_jax.decode.generate import generate
 from adaflash_jax.distill.batches import SequenceData
-from adaflash_jax.sharding.rows import RowLayout, fetch
+from adaflash_jax.sharding.rows import RowLayout
+
+CHUNK_BATCHES = 4  # prompts per progress update, in batches of slots
 
 
 def fingerprint(target_id: str, prompt_ids: Sequence[Sequence[int]], **knobs) -> str:
@@ -45,36 +49,26 @@ def generate_greedy(
     progress: bool = True,
     rows: RowLayout | None = None,
 ) -> list[list[int]]:
-    """Greedy responses (EOS included when reached), one compiled program for all batches."""
+    """Greedy responses (EOS included when reached) on `batch_size` slots."""
     from tqdm.auto import tqdm
 
-    p_pad = -(-max(len(p) for p in prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-    b = batch_size  # not capped by the prompt count: every split shares one program
+    del target_cfg  # the merged target carries it
+    target = nnx.merge(*target_split)
+    capacity = max(len(p) for p in prompt_ids) + max_new_tokens
+    b = batch_size * CHUNK_BATCHES
     out: list[list[int]] = []
     starts = range(0, len(prompt_ids), b)
     for start in tqdm(starts, desc="regenerate", disable=not progress or jax.process_index()):
         chunk = list(prompt_ids[start : start + b])
-        real = len(chunk)
-        chunk += [chunk[0]] * (b - real)  # a fixed batch shape: no recompilation
-        arrays, static = prepare_batch(
-            target_cfg,
+        out += generate(
+            target,
             chunk,
             max_new_tokens=max_new_tokens,
             eos_ids=eos_ids,
-            capacity=p_pad + max_new_tokens,
-        )
-        prompt_BxP = np.zeros((b, p_pad), np.int32)
-        prompt_BxP[:, : arrays[0].shape[1]] = np.asarray(arrays[0])
-        final = generate_jit(
-            target_split,
-            prompt_BxP,
-            *arrays[1:],
-            jax.random.key(0),
-            **static,
+            capacity=capacity,
+            slots=batch_size,
             rows=rows,
         )
-        tokens_BxT, num_B = fetch((final.tokens_BxT, final.num_out_B))
-        out.extend(tokens_BxT[i, : num_B[i]].tolist() for i in range(real))
     return out
 
 
