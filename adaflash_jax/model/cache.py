@@ -8,11 +8,14 @@ pytree of its own kind (`LayerCache`): attention K/V (`kv_cache.KVLayer`), a Gat
 recurrent state (`recurrent_state.RecurrentState`), the drafter's context K/V (a `KVLayer` of
 projected target features). Each keeps its own storage and capacity.
 
-A layer never writes its cache. Called with it, a layer reads it and returns, besides its
-output, its per-token *entries* for the pass's T tokens (K/V, or the recurrence's inputs);
-`Cache.commit` hands each layer its entries and the tokens to keep, and moves the lengths.
-The two cache modes of `model/target.py` differ only in who calls `commit`: the forward
-itself ("write": prefill, plain steps) or the engine after acceptance ("read": verify).
+Only a kind's `commit` writes a cache. Called with its cache in "read" mode (the engine's
+verify), a layer only reads it and returns, besides its output, its per-token *entries* for
+the pass's T tokens (K/V, or the recurrence's inputs); `Cache.commit` later hands each layer
+its entries and the tokens to keep, and moves the lengths. In "write" mode (prefill, plain
+steps) the count is known before the pass: the layer commits its entries through its
+kind's `commit` as it runs (K/V are written before they are attended, so the update stays
+in place; a recurrence keeps the state its pass ends in) and `Cache.committed` moves the
+lengths.
 
 `commit(entries, lengths_B, path_BxP, n_B)` keeps, per row, the first `n_B[b]` tokens of the
 path `path_BxP[b]` (indices into the pass's T tokens, in order; None: 0..T−1, a chain), as
@@ -70,7 +73,12 @@ class Cache:
         layers = tuple(
             c.commit(e, self.lengths, path_BxP, n_B) for c, e in zip(self.layers, entries)
         )
-        return self.replace(layers=layers, lengths=self.lengths + n_B)
+        return self.committed(layers, n_B)
+
+    def committed(self, layers: tuple, n_B) -> Cache:
+        """The cache whose layers committed `n_B` more tokens per row each (a "write" mode
+        forward: each layer commits through its kind's `commit` during the pass)."""
+        return self.replace(layers=tuple(layers), lengths=self.lengths + n_B.astype(jnp.int32))
 
     def rollback(self, lengths_B) -> Cache:
         """Keeps only the first `lengths_B[b]` committed tokens of each row (every layer's

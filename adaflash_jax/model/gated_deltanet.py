@@ -12,8 +12,11 @@ q and k L2-normalised and repeated to the value heads; the gated delta rule
 The call has the attention layer's shape (`model/target.py` runs one layer loop over both):
 without a cache (training) the chunked form from a zero state; with the layer's
 `RecurrentState`, outputs from that state (the recurrent form for one token, the chunked form
-for more), which is left as it was, and the pass's `RecurrentEntries`, which
-`RecurrentState.commit` replays for the tokens kept (`model/cache.py`).
+for more). "read": the state is left as it was and the pass's `RecurrentEntries` return,
+which `RecurrentState.commit` replays for the tokens kept (`model/cache.py`). "write"
+(`commit_B` known before the pass): the pass runs over the entries kept at `commit_B`
+(`RecurrentEntries.kept`; a token's output never depends on later ones) and commits the
+state it ends in, so the rule runs once.
 """
 
 from __future__ import annotations
@@ -90,12 +93,22 @@ class GatedDeltaNet(nnx.Module):
             chunk=self.chunk,
         )
 
-    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, lengths_B=None, packing=None):
+    def __call__(
+        self,
+        x_BxTxD,
+        positions_BxT,
+        mask,
+        cache=None,
+        lengths_B=None,
+        packing=None,
+        commit_B=None,
+    ):
         """Same shape as the attention layer's call; `cache` is this layer's RecurrentState.
-        Returns (output [B, T, D], the pass's entries, or None without a cache). With a
-        `packing`, x is the packed stream [M, 1, D]: the projections run there, the conv and
-        the recurrence per row in the row layout [B, W, ...], where the entries return."""
-        del positions_BxT, mask, lengths_B  # a recurrence is causal by construction
+        Returns (output [B, T, D], the pass's entries ("read"), the committed state ("write":
+        `commit_B`), or None without a cache). With a `packing`, x is the packed stream
+        [M, 1, D]: the projections run there, the conv and the recurrence per row in the
+        row layout [B, W, ...], where the entries return."""
+        del positions_BxT, mask  # a recurrence is causal by construction
         qkv_BxTxX = to_rows(packing, self.in_proj_qkv(x_BxTxD))
         b, t, _ = qkv_BxTxX.shape
         state = self.init_state(b) if cache is None else cache
@@ -112,14 +125,18 @@ class GatedDeltaNet(nnx.Module):
         a_BxTxJ = to_rows(packing, self.in_proj_a(x_BxTxD).astype(jnp.float32))
         decay_J = jnp.exp(self.A_log[...].astype(jnp.float32))
         g_BxTxJ = -decay_J * jax.nn.softplus(a_BxTxJ + self.dt_bias[...].astype(jnp.float32))
-        form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ, state.state_BxJxDkxDv)
+        entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
+        run = entries if commit_B is None else entries.kept(commit_B)
+        form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, run.g_BxTxJ, run.beta_BxTxJ)
+        form_args += (state.state_BxJxDkxDv,)
         if t == 1:
-            out_BxTxJxDv, _ = recurrent_form(*form_args)
+            out_BxTxJxDv, final = recurrent_form(*form_args)
         else:
-            out_BxTxJxDv, _ = chunked_form(*form_args, chunk=self.chunk)
-        entries = None
-        if cache is not None:
-            entries = RecurrentEntries(qkv_BxTxX, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ)
+            out_BxTxJxDv, final = chunked_form(*form_args, chunk=self.chunk)
+        if cache is None:
+            entries = None
+        elif commit_B is not None:
+            entries = cache.commit(entries, lengths_B, None, commit_B, state_after=final)
         out = to_tokens(packing, out_BxTxJxDv)
         lead = x_BxTxD.shape[:2]  # (B, T), or (M, 1) packed
         z = self.in_proj_z(x_BxTxD).reshape(*lead, self.heads, self.value_dim)

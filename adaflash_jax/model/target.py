@@ -80,23 +80,39 @@ class Attention(AttentionProjections):
         )
 
     def __call__(
-        self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, lengths_B=None, packing=None
+        self,
+        x_BxTxD,
+        positions_BxT,
+        mask_BxTxS,
+        cache=None,
+        lengths_B=None,
+        packing=None,
+        commit_B=None,
     ):
         """Without `cache`: attention over x under the mask. With the layer's cache and the
         rows' committed `lengths_B`: attention over [committed entries ; the new tokens
-        (causal)], returning the new keys/values as this layer's entries (`KVEntries`, in the
-        cache dtype). With a `packing`, x is the packed stream [M, 1, D]: the projections run
-        there, the attention per row in the row layout, where the entries return [B, W, ...]."""
+        (causal)]. "read" (no `commit_B`): the cache is only read, and the new keys/values
+        return as this layer's entries (`KVEntries`, in the cache dtype). "write": the
+        cache commits each row's first `commit_B[b]` of them (`KVLayer.commit`) and the
+        queries attend over the committed cache (written first, the update stays in place),
+        returning it. With a `packing` ("read"), x is the packed stream [M, 1, D]: the
+        projections run there, the attention per row in the row layout, where the entries
+        return [B, W, ...]."""
         q, gate = self.gated_queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
         q, k, v = (to_rows(packing, a) for a in (q, k, v))
         if cache is None:
             return self.output(attend(q, k, v, mask_BxTxS), gate), None
-        k, v = k.astype(cache.k_BxSxKvxDh.dtype), v.astype(cache.v_BxSxKvxDh.dtype)
-        out = attend_cached(
-            q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k.astype(q.dtype), v.astype(q.dtype)
-        )
-        return self.output(to_tokens(packing, out), gate), KVEntries(k, v)
+        entries = KVEntries(k.astype(cache.k_BxSxKvxDh.dtype), v.astype(cache.v_BxSxKvxDh.dtype))
+        if commit_B is not None:
+            cache = cache.commit(entries, lengths_B, None, commit_B)
+            key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
+            mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
+            k_all, v_all = (c.astype(q.dtype) for c in (cache.k_BxSxKvxDh, cache.v_BxSxKvxDh))
+            return self.output(attend(q, k_all, v_all, mask_BxTxS), gate), cache
+        k, v = (e.astype(q.dtype) for e in (entries.k_BxTxKvxDh, entries.v_BxTxKvxDh))
+        out = attend_cached(q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v)
+        return self.output(to_tokens(packing, out), gate), entries
 
 
 class DecoderLayer(nnx.Module):
@@ -123,11 +139,22 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, mask, cache=None, lengths_B=None, rows=None, packing=None):
-        """`cache`: this layer's cache (read only); returns (x, its entries or None)."""
+    def __call__(
+        self,
+        x,
+        positions,
+        mask,
+        cache=None,
+        lengths_B=None,
+        rows=None,
+        packing=None,
+        commit_B=None,
+    ):
+        """`cache`: this layer's cache; returns (x, its entries ("read"), its committed cache
+        ("write": `commit_B`), or None)."""
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
         h = self.input_layernorm(x)
-        mixed, new = mixer(h, positions, mask, cache, lengths_B, packing)
+        mixed, new = mixer(h, positions, mask, cache, lengths_B, packing, commit_B)
         x = x + mixed
         h = self.post_attention_layernorm(x)
         x = x + (self.mlp(h, rows) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -259,9 +286,12 @@ class TargetLM(nnx.Module):
             raise ValueError("packed tokens verify against a cache in read mode")
         if segment_ids_BxT is not None and self.config.is_hybrid:
             raise ValueError("packed segments would share a recurrent state: unpack for hybrids")
-        lengths_B = mask_BxTxS = None
+        lengths_B = mask_BxTxS = commit_B = None
         if cache is not None:
             lengths_B = cache.lengths
+            if cache_mode == "write":
+                commit_B = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
+                commit_B = commit_B.astype(jnp.int32)
             positions_BxT = (
                 cache.positions(t) if packing is None else packing.positions(lengths_B)[:, None]
             )
@@ -273,19 +303,22 @@ class TargetLM(nnx.Module):
                 mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
 
         x = constrain_rows(rows, self.embed(tokens_BxT), b)
-        features, entries = {}, []
+        features, news = {}, []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            x, new = layer(x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, rows, packing)
+            x, new = layer(
+                x, positions_BxT, mask_BxTxS, layer_cache, lengths_B, rows, packing, commit_B
+            )
             x = constrain_rows(rows, x, b)
-            entries.append(new)
+            news.append(new)
             if i in feature_layers:
                 features[i] = self.feature(i, x)
         hidden = self.norm(x)
-        new_cache, entries = None, tuple(entries) if cache is not None else None
-        if cache is not None and cache_mode == "write":
-            n_B = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B
-            new_cache, entries = cache.commit(entries, n_B), None
+        new_cache = entries = None
+        if commit_B is not None:  # "write": each layer committed its own entries
+            new_cache = cache.committed(tuple(news), commit_B)
+        elif cache is not None:
+            entries = tuple(news)
         feats = (
             jnp.concatenate([features[i] for i in feature_layers], axis=-1)
             if feature_layers
