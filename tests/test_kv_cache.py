@@ -220,8 +220,8 @@ def test_kv_commit_keeps_a_path_in_order():
     k_BxTx1x1 = jnp.arange(1.0, 9.0).reshape(2, 4, 1, 1)  # row 0: 1..4, row 1: 5..8
     entries = KVEntries(k_BxTx1x1, -k_BxTx1x1)
     lengths_B = jnp.array([3, 0])
-    path_BxP = jnp.array([[0, 2, 3], [1, 0, 0]])
-    got = layer.commit(entries, lengths_B, path_BxP, jnp.array([2, 2]))
+    path_BxZ = jnp.array([[0, 2, 3], [1, 0, 0]])
+    got = layer.commit(entries, lengths_B, path_BxZ, jnp.array([2, 2]))
     np.testing.assert_array_equal(got.k_BxSxKvxDh[0, 3:5, 0, 0], [1.0, 3.0])
     np.testing.assert_array_equal(got.k_BxSxKvxDh[1, 0:2, 0, 0], [6.0, 5.0])
     np.testing.assert_array_equal(got.v_BxSxKvxDh[1, 0:2, 0, 0], [-6.0, -5.0])
@@ -244,9 +244,9 @@ def test_commit_along_a_path_equals_commit_of_its_tokens():
         n_B = jnp.array([3, 2])
         chain = cache.commit(entries, n_B)
         arange = cache.commit(entries, n_B, jnp.broadcast_to(jnp.arange(4), (2, 4)))
-        path_BxP = jnp.array([[0, 2, 3], [1, 3, 3]])
-        along = cache.commit(entries, n_B, path_BxP)
-        gathered = cache.commit(tuple(path_entries(e, path_BxP) for e in entries), n_B)
+        path_BxZ = jnp.array([[0, 2, 3], [1, 3, 3]])
+        along = cache.commit(entries, n_B, path_BxZ)
+        gathered = cache.commit(tuple(path_entries(e, path_BxZ) for e in entries), n_B)
         return chain, arange, along, gathered
 
     chain, arange, along, gathered = run(state, _tokens(2, 5, seed=8), _tokens(2, 4, seed=9))

@@ -1,6 +1,6 @@
 """One cache per layer, one commit path (docs/design.md §8.1).
 
-Dimensions: L layers, B rows, T new tokens per row (one pass), P committed path length.
+Dimensions: L layers, B rows, T new tokens per row (one pass), Z committed path length.
 
 A model's decode cache is a tuple of per-layer caches plus each row's committed length
 (`lengths`: where its next token goes, the same for every layer). A layer cache is a small
@@ -17,8 +17,8 @@ kind's `commit` as it runs (K/V are written before they are attended, so the upd
 in place; a recurrence keeps the state its pass ends in) and `Cache.committed` moves the
 lengths.
 
-`commit(entries, lengths_B, path_BxP, n_B)` keeps, per row, the first `n_B[b]` tokens of the
-path `path_BxP[b]` (indices into the pass's T tokens, in order; None: 0..T−1, a chain), as
+`commit(entries, lengths_B, path_BxZ, n_B)` keeps, per row, the first `n_B[b]` tokens of the
+path `path_BxZ[b]` (indices into the pass's T tokens, in order; None: 0..T−1, a chain), as
 positions `lengths_B[b] + 0..n_B[b]−1`. A new kind adds one class with that method (a ring
 buffer writes at a position modulo its window; a latent cache stores one compressed entry
 per token) and the layer that returns its entries; nothing else changes.
@@ -40,7 +40,7 @@ class LayerCache(Protocol):
     # (`Cache.rollback`): true where entries are stored per position, false for a recurrence
     rolls_back: ClassVar[bool]
 
-    def commit(self, entries, lengths_B, path_BxP, n_B) -> LayerCache:
+    def commit(self, entries, lengths_B, path_BxZ, n_B) -> LayerCache:
         """This layer's cache after each row keeps the first `n_B[b]` tokens of its path."""
 
 
@@ -63,7 +63,7 @@ class Cache:
         """[B, T] int32: the positions of each row's next `t` tokens along a chain."""
         return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
-    def commit(self, entries: tuple, n_B, path_BxP=None) -> Cache:
+    def commit(self, entries: tuple, n_B, path_BxZ=None) -> Cache:
         """Each layer keeps the first `n_B[b]` tokens of row b's path through the pass whose
         per-layer `entries` are given (path None: the pass's tokens in order), and the
         lengths move by `n_B`. Entries past a row's count may be stored but stay unread."""
@@ -71,7 +71,7 @@ class Cache:
             raise ValueError(f"{len(entries)} layers' entries for a {len(self.layers)}-layer cache")
         n_B = n_B.astype(jnp.int32)
         layers = tuple(
-            c.commit(e, self.lengths, path_BxP, n_B) for c, e in zip(self.layers, entries)
+            c.commit(e, self.lengths, path_BxZ, n_B) for c, e in zip(self.layers, entries)
         )
         return self.committed(layers, n_B)
 
@@ -92,14 +92,14 @@ class Cache:
         return self.replace(lengths=lengths_B.astype(jnp.int32))
 
 
-def path_entries(entries_BxTx, path_BxP):
-    """Per-token entries (any pytree of [B, T, ...] leaves) along each row's path → [B, P, ...]
+def path_entries(entries_BxTx, path_BxZ):
+    """Per-token entries (any pytree of [B, T, ...] leaves) along each row's path → [B, Z, ...]
     (None: the entries as they are)."""
-    if path_BxP is None:
+    if path_BxZ is None:
         return entries_BxTx
 
     def take(x):
-        index = path_BxP.reshape(path_BxP.shape + (1,) * (x.ndim - 2))
+        index = path_BxZ.reshape(path_BxZ.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, index.astype(jnp.int32), axis=1)
 
     return jax.tree.map(take, entries_BxTx)

@@ -1,6 +1,6 @@
 """The attention layer's cache kind: keys and values per position (docs/design.md §8.1).
 
-Dimensions: B rows, S capacity, T new tokens per row, P committed path length, Kv kv heads,
+Dimensions: B rows, S capacity, T new tokens per row, Z committed path length, Kv kv heads,
 Dh head dim.
 
 Entries at positions >= a row's length are stale and never read: attention masks by absolute
@@ -43,16 +43,16 @@ class KVLayer:
     def capacity(self) -> int:
         return self.k_BxSxKvxDh.shape[1]
 
-    def commit(self, entries: KVEntries, lengths_B, path_BxP, n_B) -> KVLayer:
-        """Writes the path's entries at `lengths_B + 0..P−1` (the contiguous write: those past
+    def commit(self, entries: KVEntries, lengths_B, path_BxZ, n_B) -> KVLayer:
+        """Writes the path's entries at `lengths_B + 0..Z−1` (the contiguous write: those past
         `n_B` are written but stay stale; positions past the capacity drop)."""
         del n_B  # the lengths say which entries are committed
-        new = path_entries(entries, path_BxP)
-        p = new.k_BxTxKvxDh.shape[1]
-        positions_BxP = lengths_B[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
+        new = path_entries(entries, path_BxZ)
+        z = new.k_BxTxKvxDh.shape[1]
+        positions_BxZ = lengths_B[:, None] + jnp.arange(z, dtype=jnp.int32)[None, :]
         return KVLayer(
-            write_rows(self.k_BxSxKvxDh, new.k_BxTxKvxDh, positions_BxP),
-            write_rows(self.v_BxSxKvxDh, new.v_BxTxKvxDh, positions_BxP),
+            write_rows(self.k_BxSxKvxDh, new.k_BxTxKvxDh, positions_BxZ),
+            write_rows(self.v_BxSxKvxDh, new.v_BxTxKvxDh, positions_BxZ),
         )
 
 

@@ -62,16 +62,16 @@ class RecurrentState:
         )
 
     def commit(
-        self, entries: RecurrentEntries, lengths_B, path_BxP, n_B, *, state_after=None
+        self, entries: RecurrentEntries, lengths_B, path_BxZ, n_B, *, state_after=None
     ) -> RecurrentState:
         """The state after each row's first `n_B[b]` tokens of its path through `entries`.
         `state_after`: the delta state a pass already reached over `entries.kept(n_B)` in
         order ("write" mode, path None): taken instead of replaying the rule."""
         del lengths_B  # a recurrence has no positions
-        new = path_entries(entries, path_BxP).kept(n_B)
+        new = path_entries(entries, path_BxZ).kept(n_B)
         history = shift_history(self.history_BxA1xX, new.qkv_BxTxX, n_B)
         if state_after is not None:
-            if path_BxP is not None:
+            if path_BxZ is not None:
                 raise ValueError("a pass's end state holds for its tokens in order, not a path")
             return self.replace(history_BxA1xX=history, state_BxJxDkxDv=state_after)
         _, state = chunked_form(
