@@ -16,6 +16,7 @@ import argparse
 import sys
 import types
 
+from adaflash_jax.aot.chips import CHIP_HBM_GIB
 from adaflash_jax.distill.config_file import load_config_file
 from adaflash_jax.distill.shapes import target_shape
 from adaflash_jax.model.config import ConfigError
@@ -28,7 +29,7 @@ from adaflash_jax.plan import (
     format_plan,
     inputs_from_config,
 )
-from adaflash_jax.plan.advice import CHIP_HBM_GIB, slice_table
+from adaflash_jax.plan.advice import slice_table
 from adaflash_jax.plan.compiled import compile_request, format_compiled
 
 KNOBS = ("batch_size", "seq_len", "num_anchors", "block_size", "drafter_layers", "num_features",

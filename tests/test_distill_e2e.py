@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from adaflash_jax.distill import schedule
 from adaflash_jax.distill.batches import SequenceData
+from adaflash_jax.distill.config_file import load_config
+from adaflash_jax.distill.overrides import override
 from adaflash_jax.drafter.checkpoint import load_drafter
 from adaflash_jax.model.checkpoint import save_target
 from adaflash_jax.model.presets import target_preset
@@ -116,6 +119,10 @@ def test_full_micro_pipeline(micro):
     points += ["head_refit_sft", "head_init_stage1_long"]
     calibration = report["head_calibration"]
     assert list(calibration) == points
+    # the run trained and measured exactly the schedule's stages and points, in its order
+    cfg = override(load_config(config), {"eval.head_calibration": "True"})
+    assert list(calibration) == schedule.calibration_points(cfg)
+    assert list(report["final_metrics"]) == [step.name for step in schedule.steps(cfg)]
     for entry in calibration.values():
         assert entry["blocks"] > 0 and 0 <= entry["mse"] <= 1 and 0 <= entry["width_exact"] <= 1
         assert 1 <= entry["realised_len"] <= 4 and 0 < entry["predicted_len"] < 4

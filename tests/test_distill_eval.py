@@ -20,7 +20,7 @@ from test_sampled_lossless import P_BIASED, P_HONEST, chi_square_p
 
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.slots import SpeculativeEngine
-from adaflash_jax.distill import calibration
+from adaflash_jax.distill import calibration, schedule
 from adaflash_jax.distill import evaluation as E
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.collect import Trajectory
@@ -30,6 +30,7 @@ from adaflash_jax.distill.config import (
     DraftSpec,
     EvalSpec,
     RunConfig,
+    Stage1Spec,
     Stage2Spec,
 )
 from adaflash_jax.distill.context import Context
@@ -230,7 +231,7 @@ def test_head_calibration_entries():
 
 def test_calibration_points_follow_the_runs_training_order():
     cfg = RunConfig(stage2=Stage2Spec(rounds=2, methods=("adaflash", "stage1_long", "sft")))
-    assert calibration.expected_points(cfg) == [
+    assert schedule.calibration_points(cfg) == [
         "head_init",
         "stage2_adaflash_round0",
         "stage2_adaflash_round1",
@@ -239,6 +240,46 @@ def test_calibration_points_follow_the_runs_training_order():
         "stage2_sft_round0",
         "stage2_sft_round1",
         "head_refit_sft",
+    ]
+
+
+def test_the_schedule_orders_every_stage_from_its_start():
+    """2 methods × 2 rounds (and stage1_long): each track's start, its steps and their
+    points; the calibration points are the steps' own, in the same order."""
+    s2 = Stage2Spec(rounds=2, steps_per_round=3, methods=("adaflash", "sft", "stage1_long"))
+    cfg = RunConfig(stage1=Stage1Spec(steps=5), stage2=s2)
+    got = [(t.drafter, t.start, [s.name for s in t.steps]) for t in schedule.tracks(cfg)]
+    assert got == [
+        ("stage1", schedule.INIT, ["stage1", "head_init"]),
+        ("adaflash", "stage1", ["stage2_adaflash", "head_refit_adaflash"]),
+        ("sft", "stage1", ["stage2_sft", "head_refit_sft"]),
+        ("stage1_long", schedule.INIT, ["stage1_long", "head_init_stage1_long"]),
+    ]
+    by_name = {s.name: s for s in schedule.steps(cfg)}
+    assert by_name["stage1"].total == 5 and by_name["stage1_long"].total == 5 + 2 * 3
+    assert by_name["stage2_sft"].points == ("stage2_sft_round0", "stage2_sft_round1")
+    assert by_name["stage2_sft"].method == "sft"
+    assert {s.phase for s in schedule.tracks(cfg)[1].steps} == {"stage2_adaflash"}
+    points = [p for s in schedule.steps(cfg) for p in s.points]
+    assert schedule.calibration_points(cfg) == points and points[0] == "head_init"
+    # no re-fit: a method is its rounds; an imported drafter skips stage 1 (0 steps)
+    bare = RunConfig(
+        draft=DraftSpec(init_from="/drafter"),
+        stage2=Stage2Spec(rounds=2, methods=("adaflash", "sft"), head_refit=False),
+    )
+    assert [s.name for s in schedule.steps(bare)] == [
+        "stage1",
+        "head_init",
+        "stage2_adaflash",
+        "stage2_sft",
+    ]
+    assert schedule.steps(bare)[0].total == 0
+    assert schedule.calibration_points(bare) == [
+        "head_init",
+        "stage2_adaflash_round0",
+        "stage2_adaflash_round1",
+        "stage2_sft_round0",
+        "stage2_sft_round1",
     ]
 
 

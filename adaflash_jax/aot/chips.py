@@ -67,7 +67,7 @@ CHIPS: dict[str, Chip] = {
     ),
 }
 
-# What `hbm_gib` the planner uses per chip (the old `plan.advice.CHIP_HBM_GIB`).
+# What `hbm_gib` the memory planner uses per chip (plan/advice.py, experiments/plan.py).
 CHIP_HBM_GIB = {name: chip.hbm_gib for name, chip in CHIPS.items()}
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from adaflash_jax.drafter.length_head import verify_length
+from adaflash_jax.drafter.length_head import SERVING_RATE, verify_length
 
 PolicyState = Any  # a pytree: () for a policy without state
 
@@ -150,7 +150,7 @@ class FixedPolicy(Stateless):
 class AdaFlashPolicy(Stateless):
     """Reference rule clamp(round(r·K·rate), 1, K), on only above `threshold` running rows."""
 
-    rate: float = 1.3
+    rate: float = SERVING_RATE
     threshold: int = 48
     name = "adaflash"
     needs_length_head = True

@@ -12,30 +12,29 @@ over blocks:
 - `predicted_len` / `realised_len`: mean r·K and mean A + 1, in tokens; `mae_len` mean
   |r·K − (A + 1)|; `corr`: Pearson correlation of r and y (nan when either is constant);
 - `width_exact` / `width_covers`: the share of blocks whose serving width
-  `clamp(round(r·K·rate), 1, K)` (`length_head.verify_length`, rate 1.3 as the adaflash
-  policy) equals A + 1 (verifies exactly what is accepted, plus the bonus), or is at least
-  A + 1 (cuts no accepted draft); the same at rate 1 as `width_exact_rate1`;
+  `clamp(round(r·K·rate), 1, K)` (`length_head.verify_length` at the adaflash policy's
+  `length_head.SERVING_RATE`) equals A + 1 (verifies exactly what is accepted, plus the
+  bonus), or is at least A + 1 (cuts no accepted draft); the same at rate 1 as
+  `width_exact_rate1`;
 - `by_predicted`: per predicted length round(r·K) = 1..K, the block count and the mean
   realised A + 1 (the reliability table).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from adaflash_jax.distill import collect
+from adaflash_jax.distill import collect, schedule
+from adaflash_jax.distill.batches import SequenceData
+from adaflash_jax.drafter.length_head import SERVING_RATE, verify_length
 from adaflash_jax.io import fs
 
-SERVING_RATE = 1.3  # decode.policy.AdaFlashPolicy's default rate
-
-
-def _serving_width(r_T: np.ndarray, block_size: int, rate: float) -> np.ndarray:
-    """`length_head.verify_length` on the host: clamp(round(r·K·rate), 1, K)."""
-    return np.clip(np.round(r_T * block_size * rate), 1, block_size).astype(np.int64)
+DIRECTORY = "calibration"  # under the run directory (`Context.path`): one <point>.json each
 
 
 def head_calibration(
@@ -56,7 +55,9 @@ def head_calibration(
     corr = math.nan
     if r_T.std() > 0 and y_T.std() > 0:
         corr = float(np.corrcoef(r_T, y_T)[0, 1])
-    width_T = _serving_width(r_T, k, rate)
+    r32_T = r_T.astype(np.float32)  # the serving rule on r as the engine holds it
+    width_T = np.asarray(verify_length(r32_T, k, rate))
+    width1_T = np.asarray(verify_length(r32_T, k, 1.0))
     rounded_T = np.clip(np.round(predicted_T), 1, k).astype(np.int64)
     by_predicted = {}
     for w in range(1, k + 1):
@@ -76,49 +77,47 @@ def head_calibration(
         "rate": rate,
         "width_exact": float(np.mean(width_T == realised_T)),
         "width_covers": float(np.mean(width_T >= realised_T)),
-        "width_exact_rate1": float(np.mean(_serving_width(r_T, k, 1.0) == realised_T)),
+        "width_exact_rate1": float(np.mean(width1_T == realised_T)),
         "by_predicted": by_predicted,
     }
 
 
-def point_path(trainer, point: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a run measures the calibration with: `replay(params, data, desc, head=True)`
+    (`stages.Trainer.replay`: one SPMD program every process runs) over `data`, the held-out
+    set, in blocks of `block_size`; the entries are saved in `directory` (the run's
+    DIRECTORY) by the main process."""
+
+    replay: Callable[..., list[collect.Trajectory]]
+    data: SequenceData
+    block_size: int
+    directory: str
+    is_main: bool
+
+
+def point_path(directory: str, point: str) -> str:
     """Where a calibration point's entries are kept (so a resumed run reports them too)."""
-    return trainer.ctx.path("calibration", f"{point}.json")
+    return f"{directory}/{point}.json"
 
 
-def measure(trainer, params, point: str) -> dict | None:
-    """The calibration of `params` at `point` ("head_init", "stage2_adaflash_round0", ...) on
-    `trainer.calibration_data`, saved under the run directory; None when the run does not
-    measure it. Every process measures (the replay is one SPMD program), whatever a resumed
-    run's directory already holds; process 0 writes."""
-    data = trainer.calibration_data
-    if data is None:
-        return None
-    trajectories = trainer.replay(params, data, f"head calibration {point}", head=True)
-    entry = head_calibration(trajectories, trainer.ctx.drafter_cfg.block_size)
-    if trainer.ctx.is_main:
-        fs.write_text(point_path(trainer, point), json.dumps(entry, indent=2))
+def measure(calibration: Calibration, params, point: str) -> dict:
+    """The calibration of `params` at `point` (one of `schedule.calibration_points`), saved
+    under the run directory. Every process measures, whatever a resumed run's directory
+    already holds; process 0 writes."""
+    c = calibration
+    trajectories = c.replay(params, c.data, f"head calibration {point}", head=True)
+    entry = head_calibration(trajectories, c.block_size)
+    if c.is_main:
+        fs.write_text(point_path(c.directory, point), json.dumps(entry, indent=2))
     return entry
-
-
-def expected_points(cfg) -> list[str]:
-    """Every calibration point a run measures, in training order."""
-    points = []
-    for method in cfg.stage2.methods:
-        if method == "stage1_long":
-            points.append(f"head_init_{method}")
-        else:
-            points += [f"stage2_{method}_round{r}" for r in range(cfg.stage2.rounds)]
-            if cfg.stage2.head_refit:
-                points.append(f"head_refit_{method}")
-    return ["head_init", *points]
 
 
 def collected(ctx) -> dict[str, dict]:
     """{point: entries} of every saved calibration point of the run, in training order."""
     out = {}
-    for point in expected_points(ctx.cfg):
-        path = ctx.path("calibration", f"{point}.json")
+    for point in schedule.calibration_points(ctx.cfg):
+        path = point_path(ctx.path(DIRECTORY), point)
         if fs.exists(path):
             out[point] = json.loads(fs.read_text(path))
     return out

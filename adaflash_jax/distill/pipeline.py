@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.distill import calibration
+from adaflash_jax.distill import calibration, schedule
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
@@ -35,7 +35,7 @@ from adaflash_jax.distill.evaluation import extra_evaluations
 from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
 from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
-from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate, stage1_long_steps
+from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate
 from adaflash_jax.distill.state import fresh_drafter, load_drafter_sharded
 from adaflash_jax.io import fs
 from adaflash_jax.model.checkpoint import load_target
@@ -171,8 +171,8 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
         print(f"run directory: {ctx.run_dir}", flush=True)
     timings: dict[str, float] = {}
 
-    def mark(name, since):
-        timings[name] = round(time.perf_counter() - since, 2)
+    def mark(name, since):  # a phase's seconds (a stage-2 method's steps add up)
+        timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - since, 2)
         return time.perf_counter()
 
     mesh = ctx.mesh()
@@ -207,33 +207,55 @@ def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
     return report
 
 
+def _calibration(ctx: Context, trainer: Trainer, data: Datasets):
+    """What the length head's calibration is measured with, or None (not measured)."""
+    if not ctx.cfg.eval.head_calibration:
+        return None
+    return calibration.Calibration(
+        replay=trainer.replay,
+        data=data.eval,
+        block_size=ctx.drafter_cfg.block_size,
+        directory=ctx.path(calibration.DIRECTORY),
+        is_main=ctx.is_main,
+    )
+
+
+def _step(trainer: Trainer, step: schedule.Step, params, data: Datasets, calibrate, taus):
+    """Runs one schedule step from `params` → its params (a stage-2 method's collection τ
+    per round into `taus`), its calibration points measured with `calibrate`."""
+    if step.kind == "stage1":
+        return trainer.stage1(params, data.train, name=step.name, total=step.total)
+    if step.kind == "stage2":
+        params, taus[step.method] = trainer.stage2(
+            step.method, params, data.pool, calibrate=calibrate, points=step.points
+        )
+        return params
+    params = trainer.head_init(params, data.train, name=step.name)
+    if calibrate is not None:
+        for point in step.points:
+            calibration.measure(calibrate, params, point)
+    return params
+
+
+def _train(ctx, trainer, params, data: Datasets, mark, t):
+    """The run's schedule (distill/schedule.py), track by track → ({drafter: final params},
+    {stage-2 method: collection τ per round}, t)."""
+    calibrate = _calibration(ctx, trainer, data)
+    finals = {schedule.INIT: params}
+    collect_tau = {}
+    for track in schedule.tracks(ctx.cfg):
+        params = finals[track.start]
+        for step in track.steps:
+            params = _step(trainer, step, params, data, calibrate, collect_tau)
+            t = mark(step.phase, t)
+        finals[track.drafter] = params
+    del finals[schedule.INIT]
+    return finals, collect_tau, t
+
+
 def _train_and_evaluate(ctx, trainer, params, data: Datasets, mark, t):
     cfg = ctx.cfg
-    start = params
-    if cfg.draft.init_from is None:
-        params = trainer.stage1(params, data.train)
-    t = mark("stage1", t)
-    params = trainer.head_init(params, data.train)
-    t = mark("head_init", t)
-    if cfg.eval.head_calibration:  # the length head against the held-out blocks
-        trainer.calibration_data = data.eval
-        calibration.measure(trainer, params, "head_init")
-    finals = {"stage1": params}
-    collect_tau = {}
-    for method in cfg.stage2.methods:
-        if method == "stage1_long":
-            # Stage 1 for its steps plus every stage-2 step, on its own schedule; then the
-            # head as stage 1's. Equal total training steps to each stage-2 method.
-            long = trainer.stage1(start, data.train, name=method, total=stage1_long_steps(cfg))
-            finals[method] = trainer.head_init(long, data.train, name=f"head_init_{method}")
-            calibration.measure(trainer, finals[method], f"head_init_{method}")
-        else:
-            finals[method], collect_tau[method] = trainer.stage2(method, params, data.pool)
-            if cfg.stage2.head_refit:  # the head re-fitted to the drafter stage 2 left
-                name = f"head_refit_{method}"
-                finals[method] = trainer.head_init(finals[method], data.train, name=name)
-                calibration.measure(trainer, finals[method], name)
-        t = mark(f"stage2_{method}", t)
+    finals, collect_tau, t = _train(ctx, trainer, params, data, mark, t)
     tau = {m: evaluate(trainer, p, data.eval, data.eval_ids) for m, p in finals.items()}
     t = mark("evaluate", t)
     extra = extra_evaluations(ctx, trainer, finals, tau, data.eval, data.eval_ids)

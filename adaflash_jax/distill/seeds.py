@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from adaflash_jax.distill.config import STAGE2_OBJECTIVE
 from adaflash_jax.distill.report import summarise
+from adaflash_jax.distill.stage_config import STAGE2_OBJECTIVE
 from adaflash_jax.io import fs
 
 # (numerator, denominator, goal) of the draft-quality goals, checked at every temperature

@@ -23,10 +23,12 @@ import numpy as np
 
 from adaflash_jax.distill import calibration, collect, steps
 from adaflash_jax.distill.batches import SequenceData, batch_iterator
-from adaflash_jax.distill.config import STAGE2_OBJECTIVE, RunConfig
+from adaflash_jax.distill.config import RunConfig
 from adaflash_jax.distill.context import Context
 from adaflash_jax.distill.loop import StageRun, restore_or_start, run_stage
 from adaflash_jax.distill.regenerate import build_sequences
+from adaflash_jax.distill.schedule import stage2_name
+from adaflash_jax.distill.stage_config import STAGE2_OBJECTIVE
 from adaflash_jax.distill.state import new_train_state
 from adaflash_jax.sharding.rows import RowLayout
 from adaflash_jax.sharding.rules import TRAIN_RULES
@@ -68,11 +70,6 @@ def _adamw(lr: float, spec, **kw) -> OptimizerConfig:
         clip_norm=None,
         **kw,
     )
-
-
-def stage1_long_steps(cfg: RunConfig) -> int:
-    """Stage 1's steps plus every stage-2 step: the equal-total-steps baseline."""
-    return cfg.stage1.steps + cfg.stage2.rounds * cfg.stage2.steps_per_round
 
 
 def stage_optimizer(cfg: RunConfig, kind: str, total: int | None = None):
@@ -143,8 +140,6 @@ class Trainer:
         self.bsh = steps.batch_shardings(mesh, TRAIN_RULES, self.cfg.batch_size)
         self.histories: dict[str, list[dict]] = {}
         self.skipped: dict[str, int] = {}  # stage → non-finite steps skipped
-        # held-out set the length head's calibration is measured on (None: not measured)
-        self.calibration_data: SequenceData | None = None
 
     # ---- plumbing --------------------------------------------------------------------------
     @property
@@ -234,7 +229,7 @@ class Trainer:
     # ---- stages ----------------------------------------------------------------------------
     def stage1(self, params, data: SequenceData, *, name: str = "stage1", total=None):
         """Decayed CE on the regenerated data; `total` steps (default stage1.steps) over one
-        warm-up + cosine schedule (`stage1_long` runs it for `stage1_long_steps`)."""
+        warm-up + cosine schedule (`stage1_long` runs it for `schedule.stage1_long_steps`)."""
         total = self.cfg.stage1.steps if total is None else total
         groups, clip = stage_optimizer(self.cfg, "stage1", total)
         it_args = (data, self.cfg.seed)
@@ -248,14 +243,15 @@ class Trainer:
         it_args = (data, self.cfg.seed, h.anchors, h.num_anchors)
         return self._fixed_data_stage(name, "head_init", params, groups, h.steps, it_args, clip)
 
-    def stage2(self, method: str, params, pool: Stage2Pool):
+    def stage2(self, method: str, params, pool: Stage2Pool, *, calibrate=None, points=()):
         """`rounds` × (collect new prompts with the current drafter → train
-        `steps_per_round`)."""
+        `steps_per_round`); with a `calibrate` (`calibration.Calibration`), round r's drafter
+        is measured at `points[r]` (the schedule's points)."""
         s2 = self.cfg.stage2
         total = s2.rounds * s2.steps_per_round
         if total == 0:
             return params, []
-        name = f"stage2_{method}"
+        name = stage2_name(method)
         groups, clip = stage_optimizer(self.cfg, "stage2")
         divergence, alpha = STAGE2_OBJECTIVE[method]
         knobs = {
@@ -284,7 +280,8 @@ class Trainer:
                     if int(jax.device_get(state.step)) < stop:
                         phase = {**knobs, "head_on": head_on}
                         state = self._run(name, fn, state, it, stop, ckpt, {"round": r}, phase)
-                calibration.measure(self, state.params, f"{name}_round{r}")
+                if calibrate is not None:
+                    calibration.measure(calibrate, state.params, points[r])
         return state.params, taus
 
     # ---- on-policy data --------------------------------------------------------------------

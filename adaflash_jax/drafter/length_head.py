@@ -29,6 +29,9 @@ from adaflash_jax.model.layers import Dense
 # Order of the per-position features after the hidden state (recorded in exports).
 ACCEPT_FEATURES = ("hidden", "max_logprob", "entropy")
 PROB_EPS = 1e-6
+# The serving rule's rate (`verify_length`): the adaflash policy's default, and the rate the
+# length head's calibration scores serving widths at (distill/calibration.py).
+SERVING_RATE = 1.3
 
 
 def confidence_features(logits_BxPxV) -> tuple[jax.Array, jax.Array]:
@@ -134,6 +137,7 @@ def length_label(accepted_B, block_size: int):
     return jnp.clip((accepted_B.astype(jnp.float32) + 1.0) / block_size, 0.0, 1.0)
 
 
-def verify_length(r_B, block_size: int, rate: float = 1.3):
-    """Reference serving rule: clamp(round(r·K·rate), 1, K)."""
+def verify_length(r_B, block_size: int, rate: float = SERVING_RATE):
+    """Reference serving rule: clamp(round(r·K·rate), 1, K) → int32 [B] (a jax array; `r_B`
+    may be a numpy array, as host-side calibration passes)."""
     return jnp.clip(jnp.round(r_B * block_size * rate), 1, block_size).astype(jnp.int32)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from adaflash_jax.aot.chips import CHIP_HBM_GIB
 from adaflash_jax.model.config import ConfigError
 from adaflash_jax.plan.inputs import PlanInputs
 from adaflash_jax.plan.memory_estimate import GIB, MemoryPlan, estimate
-
-# HBM per chip as Google documents it (16 GB v5e, 95 GB v5p, 32 GB v6e), read as GiB; the
-# planner's headroom absorbs the runtime's own reservation.
-CHIP_HBM_GIB = {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 
 
 @dataclasses.dataclass(frozen=True)
