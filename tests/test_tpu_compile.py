@@ -19,8 +19,7 @@ from adaflash_jax.aot.train_programs import train_programs
 from adaflash_jax.distill.config_file import load_config
 from adaflash_jax.distill.shapes import run_drafter, run_mesh, run_target
 from adaflash_jax.model.config import ConfigError
-from adaflash_jax.plan import estimate, inputs_from_config
-from adaflash_jax.plan.advice import CHIP_HBM_GIB
+from adaflash_jax.plan import advice, estimate, inputs_from_config
 from adaflash_jax.plan.compiled import compile_phases, format_compiled
 from adaflash_jax.train.mesh import make_mesh
 from experiments import plan as plan_cli
@@ -48,7 +47,8 @@ def test_slice_names():
 
 
 def test_one_chip_table():
-    assert CHIP_HBM_GIB == {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+    assert chips.CHIP_HBM_GIB == {"v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+    assert advice.CHIP_HBM_GIB is chips.CHIP_HBM_GIB  # the planner reads the one table
     v5p = chips.chip("v5p")
     assert (v5p.hbm_bandwidth, v5p.bf16_peak, v5p.cores_per_chip) == (2765e9, 459e12, 2)
     assert "cloud.google.com/tpu/docs/v5p" in chips.markdown_table()
