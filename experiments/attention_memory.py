@@ -8,7 +8,7 @@ Compiles (never runs) a forward + backward and prints `compiled.memory_analysis(
 (the programs: `adaflash_jax/aot/attention_memory.py`). `--platform tpu` compiles for a TPU
 topology with libtpu and no TPU attached; `cpu` uses the local CPU backend. Batch is per
 chip: the global batch is `--batch` × (data · fsdp). Every figure is a compiler estimate.
-Exit status 0, or 2 on bad input.
+Exit status 0, or 2 on bad input (adaflash_jax/cli.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     )
     print("| variant | chunk | temporaries GiB | peak GiB | arguments GiB | TFLOP | compile s |")
     print("|---|---|---|---|---|---|---|")
-    with one_line_errors("error", ValueError):  # e.g. an unknown --shape
+    with one_line_errors():  # e.g. an unknown --shape
         for variant, chunk, r in measure(shapes, mesh, variants, chunks):
             c = "-" if variant == "dense" else chunk
             if "refused" in r:

@@ -18,6 +18,7 @@ import os
 import sys
 
 from adaflash_jax.bench.methods import DEFAULT_METHODS, BenchError, parse_method
+from adaflash_jax.cli import exit_status, int_list
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -29,7 +30,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR")
     p.add_argument("--micro", action="store_true", help="tiny random models, tiny settings")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
-    p.add_argument("--concurrency", help="comma list (default: by backend)")
+    p.add_argument("--concurrency", type=int_list, help="comma list (default: by backend)")
     p.add_argument("--domains", default="", help="comma list (default: all)")
     p.add_argument("--prompts-per-domain", type=int)
     p.add_argument("--max-new-tokens", type=int)
@@ -39,7 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--adaflash-threshold", type=int, default=48)
     p.add_argument("--goodput-estimator", default="confidence")
     p.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
-    p.add_argument("--buckets", default="1,2,4,8,16")
+    p.add_argument("--buckets", type=int_list, default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timed rounds (fastest kept)")
     p.add_argument("--requests-per-slot", type=float, default=1.0, help="requests >= this x c")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: by backend")
@@ -47,12 +48,11 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def main(argv=None) -> int:
-    a = parse(argv)
+    return exit_status(run, parse(argv))
+
+
+def run(a) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -60,79 +60,72 @@ def main(argv=None) -> int:
     from adaflash_jax.bench import throughput_bench as tb
     from adaflash_jax.io.cost_table import VerifyCostTable
 
-    try:
-        if a.micro:
-            src = inputs.micro_setup(os.path.join(a.out, "micro_models"))
-        elif a.run_dir:
-            src = inputs.from_run_dir(a.run_dir)
-        elif a.target:
-            src = {"target": a.target, "drafters": {}, "config": {}}
-        else:
-            raise BenchError("give --run-dir, --target (with drafters) or --micro")
-        for name, path in (("stage1", a.stage1), ("adaflash", a.adaflash)):
-            if path:
-                src["drafters"][name] = path
-        for kv in a.drafter:
-            name, _, path = kv.partition("=")
-            if not path:
-                raise BenchError(f"--drafter needs NAME=DIR, got {kv!r}")
+    if a.micro:
+        src = inputs.micro_setup(os.path.join(a.out, "micro_models"))
+    elif a.run_dir:
+        src = inputs.from_run_dir(a.run_dir)
+    elif a.target:
+        src = {"target": a.target, "drafters": {}, "config": {}}
+    else:
+        raise BenchError("give --run-dir, --target (with drafters) or --micro")
+    for name, path in (("stage1", a.stage1), ("adaflash", a.adaflash)):
+        if path:
             src["drafters"][name] = path
-        small = (
-            dict(per_domain=2, new=6, prompt=16)
-            if a.micro
-            else dict(per_domain=16, new=64, prompt=64)
-        )
-        settings = tb.BenchSettings(
-            concurrencies=_ints(a.concurrency) if a.concurrency else tb.default_concurrency(),
-            prompts_per_domain=a.prompts_per_domain or small["per_domain"],
-            max_new_tokens=a.max_new_tokens or small["new"],
-            max_prompt_len=a.max_prompt_len or small["prompt"],
-            buckets=_ints(a.buckets),
-            adaflash_threshold=a.adaflash_threshold,
-            goodput_estimator=a.goodput_estimator,
-            repeats=a.repeats,
-            requests_per_slot=a.requests_per_slot,
-        )
-        methods = [parse_method(m) for m in a.methods.split(",") if m.strip()]
-        wanted = {m.drafter for m in methods if m.drafter is not None}
-        missing = sorted(wanted - set(src["drafters"]))
-        if missing:
-            raise BenchError(f"methods need drafters {missing}; have {sorted(src['drafters'])}")
-        src["drafters"] = {n: p for n, p in src["drafters"].items() if n in wanted}
-        cpu = jax.default_backend() == "cpu"
-        dtype = getattr(jnp, a.dtype or ("float32" if cpu else "bfloat16"))
-        target, drafters = inputs.load_models(src["target"], src["drafters"], dtype=dtype)
-        data = src["config"].get("data", {})
-        prompts = inputs.load_prompts(
-            src["target"],
-            per_domain=settings.prompts_per_domain,
-            max_len=settings.max_prompt_len,
-            preset=a.preset or src["config"].get("embedded_preset", "tiny"),
-            prompt_file=a.prompts or data.get("eval_prompts"),
-            chat_template=bool(data.get("chat_template", False)),
-            domains=tuple(d for d in a.domains.split(",") if d),
-        )
-        tables = {}
-        if a.cost_table:
-            try:
-                table = VerifyCostTable.load(a.cost_table)
-            except (ValueError, KeyError, TypeError) as e:
-                raise BenchError(f"--cost-table {a.cost_table}: {e}") from None
-            tables = {name: table for name in drafters}
-        bench = tb.ThroughputBench(target, drafters, prompts, methods, settings, cost_tables=tables)
+    for kv in a.drafter:
+        name, _, path = kv.partition("=")
+        if not path:
+            raise BenchError(f"--drafter needs NAME=DIR, got {kv!r}")
+        src["drafters"][name] = path
+    small = (
+        dict(per_domain=2, new=6, prompt=16) if a.micro else dict(per_domain=16, new=64, prompt=64)
+    )
+    settings = tb.BenchSettings(
+        concurrencies=a.concurrency or tb.default_concurrency(),
+        prompts_per_domain=a.prompts_per_domain or small["per_domain"],
+        max_new_tokens=a.max_new_tokens or small["new"],
+        max_prompt_len=a.max_prompt_len or small["prompt"],
+        buckets=a.buckets,
+        adaflash_threshold=a.adaflash_threshold,
+        goodput_estimator=a.goodput_estimator,
+        repeats=a.repeats,
+        requests_per_slot=a.requests_per_slot,
+    )
+    methods = [parse_method(m) for m in a.methods.split(",") if m.strip()]
+    wanted = {m.drafter for m in methods if m.drafter is not None}
+    missing = sorted(wanted - set(src["drafters"]))
+    if missing:
+        raise BenchError(f"methods need drafters {missing}; have {sorted(src['drafters'])}")
+    src["drafters"] = {n: p for n, p in src["drafters"].items() if n in wanted}
+    cpu = jax.default_backend() == "cpu"
+    dtype = getattr(jnp, a.dtype or ("float32" if cpu else "bfloat16"))
+    target, drafters = inputs.load_models(src["target"], src["drafters"], dtype=dtype)
+    data = src["config"].get("data", {})
+    prompts = inputs.load_prompts(
+        src["target"],
+        per_domain=settings.prompts_per_domain,
+        max_len=settings.max_prompt_len,
+        preset=a.preset or src["config"].get("embedded_preset", "tiny"),
+        prompt_file=a.prompts or data.get("eval_prompts"),
+        chat_template=bool(data.get("chat_template", False)),
+        domains=tuple(d for d in a.domains.split(",") if d),
+    )
+    tables = {}
+    if a.cost_table:
+        try:
+            table = VerifyCostTable.load(a.cost_table)
+        except (ValueError, KeyError, TypeError) as e:
+            raise BenchError(f"--cost-table {a.cost_table}: {e}") from None
+        tables = {name: table for name in drafters}
+    bench = tb.ThroughputBench(target, drafters, prompts, methods, settings, cost_tables=tables)
 
-        def save(partial):  # after every concurrency level: a cut-short run keeps those
-            partial.meta["inputs"] = {"target": src["target"], "drafters": src["drafters"]}
-            return report.write_outputs(partial, a.out)
+    def save(partial):  # after every concurrency level: a cut-short run keeps those
+        partial.meta["inputs"] = {"target": src["target"], "drafters": src["drafters"]}
+        return report.write_outputs(partial, a.out)
 
-        result = bench.run(on_level=save)
-    except (BenchError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = bench.run(on_level=save)
     paths = save(result)
     print(report.markdown([r for r in result.rows if r["domain"] == "all"], result.meta))
     print("wrote " + ", ".join(paths.values()))
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from adaflash_jax.bench.loop_timing import (
     build_random_target,
     plain_table,
 )
-from adaflash_jax.cli import one_line_errors
+from adaflash_jax.cli import int_list, one_line_errors
 from adaflash_jax.model.presets import target_preset
 
 
@@ -48,23 +48,26 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s = p.add_argument_group("slots mode: plain vs speculative through the engine")
-    s.add_argument("--slots", help="comma list of slot counts, e.g. 1,4,16")
+    s.add_argument("--slots", type=int_list, help="comma list of slot counts, e.g. 1,4,16")
     s.add_argument("--target", help="HF target dir (default: random --config target)")
     s.add_argument("--drafter", help="drafter dir (default: an untrained drafter)")
     s.add_argument("--policies", default="fixed", help="comma list of fixed/adaflash/goodput")
     s.add_argument("--requests", type=int, help="requests per slot count (default: 2 x slots)")
     g = p.add_argument_group("shape mode: random-weight timings of a named shape (GPU)")
     g.add_argument("--shape", help="e.g. qwen3-8b (see adaflash_jax/model/presets.py)")
-    g.add_argument("--batches", default="1,8,32,64,128")
-    g.add_argument("--widths", default="1,2,4,8,16")
+    g.add_argument("--batches", type=int_list, default="1,8,32,64,128")
+    g.add_argument("--widths", type=int_list, default="1,2,4,8,16")
     g.add_argument("--context", type=int, default=1024)
     g.add_argument("--iters", type=int, default=10)
     g.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM TB/s (H200: 4.3)")
     g.add_argument("--draft-layers", type=int, default=0, help="also time a drafter (0: no)")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--draft-batches", help="default: --batches")
+    g.add_argument("--draft-batches", type=int_list, help="default: --batches")
     g.add_argument("--cost-table", help="write the engine's cost table JSON here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.cost_table and not a.draft_layers:
+        p.error("--cost-table needs --draft-layers (the engine drafts)")
+    return a
 
 
 def main(argv=None) -> None:
@@ -74,6 +77,10 @@ def main(argv=None) -> None:
             return shape_mode(args)
         if args.slots:
             return slots_mode(args)
+        loop_mode(args)
+
+
+def loop_mode(args) -> None:
     model = build_random_target(args.config, dtype=getattr(jnp, args.dtype))
     rows = [
         bench_plain(model, batch=b, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -83,10 +90,6 @@ def main(argv=None) -> None:
     print(f"config={args.config} dtype={args.dtype} backend={jax.default_backend()}")
     print(plain_table(rows))
     _write(args.json, {"config": args.config, "dtype": args.dtype, "rows": rows})
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _write(path: str | None, obj: dict) -> None:
@@ -100,7 +103,7 @@ def slots_mode(args) -> None:
         args.target, args.drafter, shape=args.config, dtype=getattr(jnp, args.dtype)
     )
     rows = compare_slots(
-        target, drafter, _ints(args.slots), prompt_len=args.prompt_len,
+        target, drafter, args.slots, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, policies=args.policies.split(","), requests=args.requests,
     )  # fmt: skip
     print(f"backend={jax.default_backend()} block={drafter.config.block_size} "
@@ -116,15 +119,13 @@ def _progress(path: str | None, report: dict, line: str) -> None:
 
 
 def shape_mode(args) -> None:
-    if args.cost_table and not args.draft_layers:
-        raise SystemExit("--cost-table needs --draft-layers (the engine drafts)")
     cfg, report = target_preset(args.shape), {}
     log = functools.partial(_progress, args.json, report)
     target, drafter = sb.shape_tables(
-        cfg, args.shape, batches=_ints(args.batches), widths=_ints(args.widths),
+        cfg, args.shape, batches=args.batches, widths=args.widths,
         context=args.context, iters=args.iters, bandwidth_tbs=args.bandwidth_tbs,
         draft_layers=args.draft_layers, block_size=args.block_size,
-        draft_batches=_ints(args.draft_batches) if args.draft_batches else None,
+        draft_batches=args.draft_batches,
         report=report, log=log,
     )  # fmt: skip
     print("\nverify (target forward over W new tokens per row), median ms, context "
@@ -134,8 +135,8 @@ def shape_mode(args) -> None:
     log("done")
     if args.cost_table:
         table = sb.engine_cost_table(
-            target, drafter, rows=_ints(args.batches), capacity=args.context,
-            widths=_ints(args.widths), rounds=max(1, args.iters // 4), label=args.shape,
+            target, drafter, rows=args.batches, capacity=args.context,
+            widths=args.widths, rounds=max(1, args.iters // 4), label=args.shape,
         )  # fmt: skip
         table.save(args.cost_table)
         print(f"wrote {args.cost_table}")

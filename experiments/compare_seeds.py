@@ -17,21 +17,22 @@ import os
 import subprocess
 import sys
 
+from adaflash_jax.cli import exit_status, int_list
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--seeds", type=int_list, default="0,1,2", help="comma-separated seeds")
     p.add_argument("--out", required=True, help="directory for the runs and the comparison")
     args, distill_args = p.parse_known_args(argv)
+    return exit_status(run, args, distill_args)
+
+
+def run(args, distill_args: list[str]) -> int:
     from adaflash_jax.distill import seeds as S
 
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        print(f"error: --seeds must be integers, got {args.seeds!r}", file=sys.stderr)
-        return 2
-    run_dirs = [os.path.join(args.out, f"seed{s}") for s in seeds]
-    for seed, run_dir in zip(seeds, run_dirs, strict=True):
+    run_dirs = [os.path.join(args.out, f"seed{s}") for s in args.seeds]
+    for seed, run_dir in zip(args.seeds, run_dirs, strict=True):
         if os.path.isfile(os.path.join(run_dir, "report.json")):
             continue
         cmd = [sys.executable, "-m", "experiments.distill", "--seed", str(seed)]
@@ -41,10 +42,7 @@ def main(argv=None) -> int:
         if code:
             print(f"error: seed {seed} exited with {code}", file=sys.stderr)
             return code
-    from adaflash_jax.cli import one_line_errors
-
-    with one_line_errors():
-        agg = S.aggregate(S.load_reports(run_dirs))
+    agg = S.aggregate(S.load_reports(run_dirs))
     with open(os.path.join(args.out, "seeds.json"), "w") as f:
         json.dump(agg, f, indent=2)
     text = S.markdown(agg)

@@ -6,8 +6,9 @@
 
 `--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
 Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
-A non-finite stop, a storage fault or a lost peer process (multi-process runs) exits with
-one line and code 3.
+Every error ends as one line: status 2 for a bad flag or config, 1 for bad data (a prompt file
+with more broken lines than data.max_bad_lines, a malformed checkpoint), 3 for a non-finite
+stop, a storage fault or a lost peer process (multi-process runs); adaflash_jax/cli.py.
 """
 
 from __future__ import annotations
@@ -48,42 +49,35 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from adaflash_jax.cli import bad_input_errors
-    from adaflash_jax.distill.config_file import load_config
-    from adaflash_jax.distill.overrides import override
-    from adaflash_jax.distill.pipeline import Preempted, run
-    from adaflash_jax.io.fs import StorageError
-    from adaflash_jax.model.config import ConfigError
+    from adaflash_jax.cli import exit_status
+    from adaflash_jax.distill.pipeline import Preempted
     from adaflash_jax.train.mesh import exit_on_peer_loss
-    from adaflash_jax.train.optimizer import NonFiniteError
 
     try:
-        cfg = load_config(args.config)
-        sets = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
-        if bad := [kv for kv in args.set if "=" not in kv]:
-            raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
-        for flag, field in FLAGS.items():
-            value = getattr(args, flag)
-            if value is not None:
-                sets[field] = f"({value})" if flag == "mesh" else value
-        cfg = override(cfg, sets)
-        run(cfg, run_dir=args.run_dir, progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except bad_input_errors() as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return exit_status(run, args)
     except Preempted as e:
         print(f"preempted: {e}; rerun with the same --run-dir to resume", file=sys.stderr)
         return 143
-    except (NonFiniteError, StorageError) as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
     except Exception as e:
         exit_on_peer_loss(e)  # a lost peer process: one line, exit 3 (multi-process runs)
         raise
-    return 0
+
+
+def run(args) -> None:
+    from adaflash_jax.distill import pipeline
+    from adaflash_jax.distill.config_file import load_config
+    from adaflash_jax.distill.overrides import override
+    from adaflash_jax.model.config import ConfigError
+
+    cfg = load_config(args.config)
+    sets = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
+    if bad := [kv for kv in args.set if "=" not in kv]:
+        raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
+    for flag, field in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            sets[field] = f"({value})" if flag == "mesh" else value
+    pipeline.run(override(cfg, sets), run_dir=args.run_dir, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

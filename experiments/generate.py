@@ -18,24 +18,25 @@ import os
 import jax.numpy as jnp
 
 from adaflash_jax.bench.engines import speculative_generate
-from adaflash_jax.cli import one_line_errors
+from adaflash_jax.cli import int_list, one_line_errors
 from adaflash_jax.decode.build import POLICY_NAMES
 from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
-from adaflash_jax.decode.policy import PolicyError
-from adaflash_jax.decode.slots import VERIFY_LAYOUTS, EngineError
-from adaflash_jax.drafter.checkpoint import load_drafter
+from adaflash_jax.decode.slots import VERIFY_LAYOUTS
+from adaflash_jax.drafter.checkpoint import load_drafter, thinking_mode
 from adaflash_jax.embedded import default_target_dir as embedded_target_dir
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
-from adaflash_jax.tokenizer import Tokenizer, TokenizerError
+from adaflash_jax.tokenizer import Tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", help="HF model dir (default: the embedded default target)")
     p.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
-    p.add_argument("--prompt-ids", action="append", default=[], help="e.g. 1,2,3 (repeatable)")
+    p.add_argument(
+        "--prompt-ids", action="append", default=[], type=int_list, help="e.g. 1,2,3 (repeatable)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -43,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
     p.add_argument(
         "--thinking",
-        action="store_true",
-        help="--chat: render with enable_thinking=true (default false, as distillation does)",
+        action=argparse.BooleanOptionalAction,
+        help="--chat: enable_thinking for the template (default: what the --drafter export's "
+        "adaflash_prompt_format records, else false, as distillation does)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -71,18 +73,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_requests(args, tok: Tokenizer | None) -> list[list[int]]:
-    """Token-id prompts from --prompt (tokenized, optionally chat-templated) and --prompt-ids."""
+    """Token-id prompts from --prompt (tokenized, optionally chat-templated, thinking as
+    `thinking_mode` decides) and --prompt-ids."""
     if args.prompt and tok is None:
-        raise SystemExit("--prompt needs a tokenizer.json in the target dir; use --prompt-ids")
+        raise GenerateError("--prompt needs a tokenizer.json in the target dir; use --prompt-ids")
+    thinking = thinking_mode(args.thinking, args.drafter)
     prompts = [
-        tok.encode_chat([{"role": "user", "content": t}], enable_thinking=args.thinking)
+        tok.encode_chat([{"role": "user", "content": t}], enable_thinking=thinking)
         if args.chat
         else tok.encode(t)
         for t in args.prompt
     ]
-    prompts += [[int(x) for x in s.split(",") if x.strip()] for s in args.prompt_ids]
+    prompts += [list(ids) for ids in args.prompt_ids]
     if not prompts:
-        raise SystemExit("give at least one --prompt or --prompt-ids")
+        raise GenerateError("give at least one --prompt or --prompt-ids")
     return prompts
 
 
@@ -100,7 +104,7 @@ def print_results(args, tok: Tokenizer | None, prompts, outputs, stats=None) -> 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with one_line_errors("error", GenerateError, EngineError, PolicyError, TokenizerError):
+    with one_line_errors():
         run(args)
 
 

@@ -81,6 +81,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args(argv)
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors():
+        return measure(args)
+
+
+def measure(args) -> dict:
     builds = {name: list(_build(name == "guard")) for name in ("guard", "no_guard")}
     for build in builds.values():  # compile and warm up
         build[1], _ = _time(build[0], build[1], build[2], 2)

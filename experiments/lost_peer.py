@@ -72,9 +72,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--victim", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.as_process is not None:
-        _process(args.as_process, args.port, args.victim, args.heartbeat)
-    out = [_pair(victim, args.heartbeat) for victim in (1, 0)]
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors():
+        if args.as_process is not None:
+            _process(args.as_process, args.port, args.victim, args.heartbeat)
+        out = [_pair(victim, args.heartbeat) for victim in (1, 0)]
     for row in out:
         print(json.dumps({"heartbeat_timeout_s": args.heartbeat, **row}))
     return out

@@ -7,7 +7,7 @@
 The breakdown is a FORMULA estimate (plan/memory_estimate.py). `--compile SLICE` also compiles
 the run's stage-2 step and collection engine step for that TPU slice without a TPU
 (adaflash_jax.aot; minutes for an 8B model) and decides on the COMPILED peak instead.
-Exit status 0 when the plan fits, 1 when it does not, 2 on bad input.
+Exit status 0 when the plan fits, 1 when it does not, 2 on bad input (adaflash_jax/cli.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 import types
 
 from adaflash_jax.aot.chips import CHIP_HBM_GIB
+from adaflash_jax.cli import exit_status
 from adaflash_jax.distill.config_file import load_config_file
 from adaflash_jax.distill.shapes import target_shape
-from adaflash_jax.model.config import ConfigError
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.plan import (
     GIB,
@@ -52,12 +52,11 @@ def main(argv=None) -> int:
     p.add_argument("--remat", choices=("none", "full"))
     p.add_argument("--attention", choices=("naive", "fused"))
     p.add_argument("--compile", metavar="SLICE", help="also compile for this slice, e.g. v5p-64")
-    args = p.parse_args(argv)
-    try:
-        request = compile_request(args, KNOBS) if args.compile else None
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(plan_and_report, p, p.parse_args(argv))
+
+
+def plan_and_report(p: argparse.ArgumentParser, args) -> int:
+    request = compile_request(args, KNOBS) if args.compile else None  # sets --devices, --chip
     hbm = args.hbm_gib or CHIP_HBM_GIB.get(args.chip)
     if not args.table and (hbm is None or args.devices is None):
         p.error("pass --devices and --hbm-gib (or --chip), or --table")
@@ -75,20 +74,16 @@ def main(argv=None) -> int:
     auto = args.mesh == "auto" or (args.mesh is None and not args.config)
     if args.mesh and not auto and not args.table:
         over["mesh"] = tuple(int(x) for x in args.mesh.split(","))
-    try:
-        inp = inputs_from_config(cfg, devices=args.devices, **over)
-        if args.table:
-            targets = {n: target_preset(n) for n in ("qwen3-8b", "qwen3-32b")}
-            print(slice_table(inp, targets, args.headroom))
-            return 0
-        if auto:
-            plan, _ = choose_mesh(inp, args.devices, hbm * GIB, args.headroom)
-            print(f"auto mesh: {plan.inputs.mesh} (data, fsdp, tensor)")
-        else:
-            plan = estimate(inp)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    inp = inputs_from_config(cfg, devices=args.devices, **over)
+    if args.table:
+        targets = {n: target_preset(n) for n in ("qwen3-8b", "qwen3-32b")}
+        print(slice_table(inp, targets, args.headroom))
+        return 0
+    if auto:
+        plan, _ = choose_mesh(inp, args.devices, hbm * GIB, args.headroom)
+        print(f"auto mesh: {plan.inputs.mesh} (data, fsdp, tensor)")
+    else:
+        plan = estimate(inp)
     print(format_plan(plan, hbm, args.headroom))
     if request is not None:
         phases = request.run()

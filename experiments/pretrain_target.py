@@ -32,6 +32,13 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("adaflash_jax").setLevel(logging.INFO)
 
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors():  # e.g. a bad mesh, an --out without --resume, a non-finite stop
+        return run(args)
+
+
+def run(args) -> dict:
     from adaflash_jax.train.mesh import make_mesh, maybe_initialize_distributed
 
     maybe_initialize_distributed(args.distributed)
@@ -44,17 +51,13 @@ def main(argv=None) -> dict:
         with open(f"{out}/metrics.json") as f:
             metrics = json.load(f)
     else:
-        from adaflash_jax.cli import one_line_errors
         from adaflash_jax.train.presets import get_preset
         from adaflash_jax.train.pretrain import run_pretrain
 
         out = args.out
-        from adaflash_jax.train.optimizer import NonFiniteError
-
-        with one_line_errors("error", FileExistsError, NonFiniteError):
-            metrics = run_pretrain(
-                get_preset(args.preset), out, steps=args.steps, resume=args.resume, mesh=mesh
-            )
+        metrics = run_pretrain(
+            get_preset(args.preset), out, steps=args.steps, resume=args.resume, mesh=mesh
+        )
     summary = {
         k: metrics.get(k) for k in ("preset", "status", "step", "num_params", "tokens_per_s")
     }

@@ -23,6 +23,8 @@ import json
 import os
 import sys
 
+from adaflash_jax.cli import exit_status, int_list
+
 H200_DEFAULT = [
     os.path.join("benchmarks", "h200", name)
     for name in ("qwen3_8b_b1_default.json", "qwen3_8b_table.json", "qwen3_8b_b32.json")
@@ -35,41 +37,61 @@ def main(argv=None) -> int:
     p.add_argument("--cost", action="append", default=[], help="cost JSON (repeatable, merged)")
     p.add_argument("--cost-from-traces", action="store_true", help="the bench's own cost table")
     p.add_argument("--draft-ms", help="BATCH:MS pairs, e.g. 1:2.6,128:16 (overrides the files)")
-    p.add_argument("--concurrency", help="comma list (default: the cost rows)")
+    p.add_argument("--concurrency", type=int_list, help="comma list (default: the cost rows)")
     p.add_argument("--threshold", type=int, default=48, help="adaflash rule threshold")
     p.add_argument("--domain", help="only this domain's traces (default: all pooled)")
     p.add_argument("--json", help="write the projected rows here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
+    from adaflash_jax.bench import cost_model as cm
 
+    if a.cost_from_traces and a.cost:
+        p.error("--cost-from-traces and --cost measure different devices")
+    try:
+        draft = cm.parse_draft_ms(a.draft_ms) if a.draft_ms else None
+    except cm.CostError as e:
+        p.error(str(e))
+    return exit_status(project, a, draft)
+
+
+def _traces(a):
+    """(acceptance, the cost table recorded beside it or None): a malformed file is a
+    CostError (adaflash_jax/cli.py: bad data)."""
     from adaflash_jax.bench import cost_model as cm
     from adaflash_jax.bench import projection as pj
     from adaflash_jax.io.cost_table import VerifyCostTable
 
     try:
         acceptance = pj.load_acceptance(a.traces, domain=a.domain)
-        if not any(len(x.full_accepted) for x in acceptance.values()):
-            raise cm.CostError(f"{a.traces} has no fixed-policy (full block) traces")
-        m = cm.Measurements()
-        if a.cost_from_traces and a.cost:
-            raise cm.CostError("--cost-from-traces and --cost measure different devices")
-        if a.cost_from_traces:
-            with open(a.traces) as f:
-                tables = json.load(f)["cost_tables"]
-            if not tables:
-                raise cm.CostError(f"{a.traces} holds no cost table (no goodput method ran)")
-            table = VerifyCostTable.from_json(next(iter(tables.values())))
-            cm.add_table(m, table, f"{a.traces} (measured on {table.device})")
-        for path in a.cost or ([] if a.cost_from_traces else H200_DEFAULT):
-            cm.read_cost_json(path, m)
-        widths = {1} | {w for x in acceptance.values() for w in x.buckets}
-        draft = cm.parse_draft_ms(a.draft_ms) if a.draft_ms else None
-        cost = cm.build(m, widths, draft_ms=draft)
-        conc = [int(c) for c in a.concurrency.split(",")] if a.concurrency else list(cost.rows)
-        rows = pj.project(cost, acceptance, conc, threshold=a.threshold)
-    except (cm.CostError, ValueError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if not a.cost_from_traces:
+            return acceptance, None
+        with open(a.traces) as f:
+            tables = list(json.load(f)["cost_tables"].values())
+        return acceptance, VerifyCostTable.from_json(tables[0]) if tables else None
+    except cm.CostError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"{type(e).__name__}: {e}"
+        raise cm.CostError(f"{a.traces}: not a bench_traces.json ({what})") from None
+
+
+def project(a, draft) -> int:
+    from adaflash_jax.bench import cost_model as cm
+    from adaflash_jax.bench import projection as pj
+
+    acceptance, table = _traces(a)
+    if not any(len(x.full_accepted) for x in acceptance.values()):
+        raise cm.CostError(f"{a.traces} has no fixed-policy (full block) traces")
+    m = cm.Measurements()
+    if a.cost_from_traces:
+        if table is None:
+            raise cm.CostError(f"{a.traces} holds no cost table (no goodput method ran)")
+        cm.add_table(m, table, f"{a.traces} (measured on {table.device})")
+    for path in a.cost or ([] if a.cost_from_traces else H200_DEFAULT):
+        cm.read_cost_json(path, m)
+    widths = {1} | {w for x in acceptance.values() for w in x.buckets}
+    cost = cm.build(m, widths, draft_ms=draft)
+    rows = pj.project(cost, acceptance, a.concurrency or list(cost.rows), threshold=a.threshold)
     header = [
         "# PROJECTION — not a measurement",
         "",

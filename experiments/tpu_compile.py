@@ -22,11 +22,9 @@ import argparse
 import os
 import sys
 
+from adaflash_jax.cli import int_list
+
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "tiny.py")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
 
 
 def main(argv=None) -> int:
@@ -41,13 +39,13 @@ def main(argv=None) -> int:
         "(the target's training forward alone), plain (the engine's plain step)",
     )
     p.add_argument("--serve", action="store_true", help="tensor-parallel decoding table")
-    p.add_argument("--rows", type=_ints, default=(1, 8, 32, 64, 128), help="--serve row counts")
+    p.add_argument("--rows", type=int_list, default=(1, 8, 32, 64, 128), help="--serve row counts")
     p.add_argument(
-        "--widths", type=_ints, help="verify widths of the engine steps (default: all buckets)"
+        "--widths", type=int_list, help="verify widths of the engine steps (default: all buckets)"
     )
     p.add_argument("--capacity", type=int, default=1024, help="--serve cache capacity")
     p.add_argument(
-        "--fills", type=_ints, default=(), help="--serve: packed verify at token buckets rows·f"
+        "--fills", type=int_list, default=(), help="--serve: packed verify at token buckets rows·f"
     )
     p.add_argument(
         "--dense-twin",
@@ -69,36 +67,38 @@ def main(argv=None) -> int:
     p.add_argument("--cost-table", help="--serve: write the verify-cost table (goodput format)")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling needs no device backend
+    from adaflash_jax.cli import exit_status
 
+    # ValueError: what the engine's and programs' settings still raise for a bad --widths
+    return exit_status(compile_and_report, args, also={ValueError: 2})
+
+
+def compile_and_report(args) -> int:
     from adaflash_jax.aot import programs, report, session
     from adaflash_jax.aot.topology import parse_slice
     from adaflash_jax.distill.config_file import load_config
     from adaflash_jax.distill.overrides import override
     from adaflash_jax.model.config import ConfigError
 
-    try:
-        if bad := [kv for kv in args.set if "=" not in kv]:
-            raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
-        known = programs.GROUPS + programs.EXTRA_GROUPS
-        if bad := sorted(set(args.only or ()) - set(known)):
-            raise ConfigError(f"--only takes {known}, got {bad}")
-        sets = dict(kv.split("=", 1) for kv in args.set)
-        cfg = override(load_config(args.config), sets)
-        sl = parse_slice(args.topology)
-        if args.serve:
-            figs, data = session.compile_serve(
-                cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
-                overrides=sets, twin=args.dense_twin, fills=args.fills, no_msa=args.no_msa,
-            )  # fmt: skip
-        else:
-            figs, data = session.compile_run(
-                cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths,
-                overrides=sets, twin=args.dense_twin, no_msa=args.no_msa,
-                nonfinite_guard=not args.no_nonfinite_guard,
-            )  # fmt: skip
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if bad := [kv for kv in args.set if "=" not in kv]:
+        raise ConfigError(f"--set needs FIELD=VALUE, got {bad}")
+    known = programs.GROUPS + programs.EXTRA_GROUPS
+    if bad := sorted(set(args.only or ()) - set(known)):
+        raise ConfigError(f"--only takes {known}, got {bad}")
+    sets = dict(kv.split("=", 1) for kv in args.set)
+    cfg = override(load_config(args.config), sets)
+    sl = parse_slice(args.topology)
+    if args.serve:
+        figs, data = session.compile_serve(
+            cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
+            overrides=sets, twin=args.dense_twin, fills=args.fills, no_msa=args.no_msa,
+        )  # fmt: skip
+    else:
+        figs, data = session.compile_run(
+            cfg, sl, groups=args.only or programs.GROUPS, widths=args.widths,
+            overrides=sets, twin=args.dense_twin, no_msa=args.no_msa,
+            nonfinite_guard=not args.no_nonfinite_guard,
+        )  # fmt: skip
     name = cfg.name + (" (dense twin)" if args.dense_twin else "")
     name += " (no non-finite guard)" if args.no_nonfinite_guard else ""
     print("\n".join(report.header(f"{name} on {sl.name}", sl.chip, data["mesh"])))

@@ -83,16 +83,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+    from adaflash_jax.cli import exit_status
+
+    return exit_status(compile_chain, args)
+
+
+def compile_chain(args) -> int:
     from adaflash_jax.aot.report import LABEL, compile_program
     from adaflash_jax.aot.topology import parse_slice, slice_devices
-    from adaflash_jax.model.config import ConfigError
     from adaflash_jax.train.mesh import make_mesh
 
-    try:
-        sl = parse_slice(args.topology)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    sl = parse_slice(args.topology)
     mesh = make_mesh(1, 1, sl.chips, devices=slice_devices(sl))
     print(f"# D {args.dim}, F {args.hidden}, 1 row, bf16, {sl.name}: {LABEL}")
     print("| program | weights MB/chip | bytes accessed / weights | est. / floor | no MSA: bytes "

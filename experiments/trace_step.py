@@ -13,6 +13,13 @@ import sys
 
 
 def main() -> None:
+    from adaflash_jax.cli import one_line_errors
+
+    with one_line_errors():
+        trace()
+
+
+def trace() -> None:
     from flax import nnx
 
     import adaflash_jax

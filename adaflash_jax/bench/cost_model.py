@@ -59,10 +59,13 @@ def read_cost_json(path: str, into: Measurements | None = None) -> Measurements:
     with open(path) as f:
         data = json.load(f)
     if isinstance(data, dict) and "format" not in data and "rows" in data:
-        for r in data["rows"]:
-            m.verify[(int(r["batch"]), int(r["width"]))] = float(r["median_ms"])
-        for r in data.get("draft_rows", []):
-            m.draft[int(r["batch"])] = float(r["median_ms"])
+        try:
+            for r in data["rows"]:
+                m.verify[(int(r["batch"]), int(r["width"]))] = float(r["median_ms"])
+            for r in data.get("draft_rows", []):
+                m.draft[int(r["batch"])] = float(r["median_ms"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CostError(f"{path}: a timing row lacks batch/width/median_ms ({e!r})") from None
         m.sources.append(path)
         return m
     try:

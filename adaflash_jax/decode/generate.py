@@ -18,7 +18,6 @@ from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout
 
 
-
 class GenerateError(ValueError):
     """A generation request the model cannot serve (bad ids, too long, empty prompt)."""
 

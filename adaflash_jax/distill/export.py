@@ -23,15 +23,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from adaflash_jax.distill.state import abstract_drafter
-from adaflash_jax.drafter.checkpoint import load_drafter
+from adaflash_jax.drafter.checkpoint import PROMPT_FORMAT_KEY, load_drafter
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.hf_config import config_from_hf, config_to_hf
 from adaflash_jax.drafter.stacks import last_layer_warning, save_for_stack
 from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile
+from adaflash_jax.model.checkpoint import CheckpointError
 
 DRAFTER_CONFIG = "drafter_config.json"
-PROMPT_FORMAT_KEY = "adaflash_prompt_format"  # config.json: {"chat_template", "enable_thinking"}
 PLAIN_SUBDIR = "dflash"  # the plain DFlash copy inside a run's AdaFlash export
 
 
@@ -105,7 +105,9 @@ def export_checkpoint(
         try:
             params = mgr.restore(step, args=ocp.args.Composite(state=args)).state["params"]
         except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {ckpt_dir}/{step} does not fit {cfg_path}: {e}") from None
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir}/{step} does not fit {cfg_path}: {e}"
+            ) from None
     return save_for_stack(nnx.merge(graphdef, params), out, stack)
 
 

@@ -136,8 +136,9 @@ def _read_jsonl(f, path: str, domain: str, max_bad_lines: int) -> PromptList:
             f" (+{len(bad) - 10} more)" if len(bad) > 10 else ""
         )
         raise PromptError(
-            f"{path}: {len(bad)} broken lines ({shown}; {first_error}); data.max_bad_lines="
-            f"{max_bad_lines} allows skipping up to that many"
+            f"{path}: {len(bad)} broken lines ({shown}; {first_error}); data.max_bad_lines is "
+            f"{max_bad_lines}: to skip them, set it to {len(bad)} (experiments.distill: "
+            f"--set data.max_bad_lines={len(bad)})"
         )
     out.skipped_lines = tuple(bad)
     return out

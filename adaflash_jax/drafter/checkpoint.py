@@ -271,3 +271,29 @@ def load_drafter(
     for _, var, view in export.arrays(drafter):
         var.set_value(jnp.asarray(np.asarray(view).astype(var.get_value().dtype)))
     return drafter
+
+
+PROMPT_FORMAT_KEY = "adaflash_prompt_format"  # config.json: {"chat_template", "enable_thinking"}
+
+
+def recorded_prompt_format(path: str | os.PathLike) -> dict:
+    """How the distillation run behind the export at `path` rendered its prompts: the
+    `PROMPT_FORMAT_KEY` entry of its config.json ({"chat_template", "enable_thinking"}, written
+    by `distill.export.export_drafter`), or {} where it records none (a published DFlash
+    drafter, an export from before the key)."""
+    cfg_path = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(cfg_path):
+        return {}
+    found = read_json_file(cfg_path).get(PROMPT_FORMAT_KEY)
+    return found if isinstance(found, dict) else {}
+
+
+def thinking_mode(given: bool | None, drafter_dir: str | os.PathLike | None) -> bool:
+    """enable_thinking for a chat-templated prompt served with the drafter at `drafter_dir`:
+    `given` (--thinking / --no-thinking) when not None, else what the export records (the
+    mode it was distilled on, where its acceptance holds), else False."""
+    if given is not None:
+        return given
+    if drafter_dir is None:
+        return False
+    return bool(recorded_prompt_format(drafter_dir).get("enable_thinking", False))
