@@ -21,12 +21,15 @@ from adaflash_jax.tokenizer import CHATML_TEMPLATE
 
 class TableDrafter(nnx.Module):
     """Drafts by iterating a next-token table from the bonus token (content-based, so it
-    works in any slot), with one-hot logits of `sharpness`: 20 → confidence ~1. No context:
-    a one-entry cache whose lengths still move as the engine commits."""
+    works in any slot), with one-hot logits of `sharpness`: 20 → confidence ~1. With
+    `runner_up_V`, a second guess per position (the runner-up table of the first guess
+    before it) at logit `sharpness` − 1: a draft tree's sibling. No context: a one-entry
+    cache whose lengths still move as the engine commits."""
 
-    def __init__(self, config, next_V, sharpness: float = 20.0):
+    def __init__(self, config, next_V, sharpness: float = 20.0, runner_up_V=None):
         self.config = config
         self.table = nnx.Param(jnp.asarray(next_V, jnp.int32))
+        self.runner_up = None if runner_up_V is None else nnx.Param(jnp.asarray(runner_up_V))
         self.length_head = None
         self.sharpness = sharpness
 
@@ -39,12 +42,16 @@ class TableDrafter(nnx.Module):
         return (KVEntries(jnp.zeros((b, t, 1, 2)), jnp.zeros((b, t, 1, 2))),)
 
     def draft(self, cache, bonus_B, embedding_VxD, lm_head_DxV):
-        table, tok, drafts = self.table[...], bonus_B, []
+        table, tok, drafts, seconds = self.table[...], bonus_B, [], []
         for _ in range(self.config.block_size - 1):
+            if self.runner_up is not None:
+                seconds.append(self.runner_up[...][tok])
             tok = table[tok]
             drafts.append(tok)
         v = embedding_VxD.shape[0]
         logits = self.sharpness * jax.nn.one_hot(jnp.stack(drafts, axis=1), v)
+        if seconds:
+            logits += (self.sharpness - 1) * jax.nn.one_hot(jnp.stack(seconds, axis=1), v)
         hidden = jnp.zeros((bonus_B.shape[0], self.config.block_size, self.config.hidden_size))
         return DraftOutput(hidden_BxKxD=hidden, logits_BxKm1xV=logits)
 

@@ -20,8 +20,9 @@ from flax import nnx
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
-from adaflash_jax.decode.policy import AdaFlashPolicy
+from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, TreeBatchPolicy
 from adaflash_jax.decode.slots import SpeculativeEngine
+from adaflash_jax.decode.tree import TreeShape
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.cost_table import VerifyCostTable
@@ -147,6 +148,21 @@ def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy,
         assert undrafted > 0.8, f"drafting costs 12 plain steps, yet {1 - undrafted:.2f} drafted"
     p = chi_square_p(plain_counts, _counts(outputs))
     assert p > P_HONEST, f"{policy.name}: sampling is no longer lossless (p={p:.2e})"
+
+
+@pytest.mark.parametrize(
+    "policy", [FixedPolicy(), TreeBatchPolicy(mean_nodes=2)], ids=["per-row", "batch"]
+)
+def test_tree_sampling_matches_plain(models, plain_counts, policy):
+    """Draft trees (top-2 candidates per position, 6 nodes a row): each verified token's
+    target draw picks the child to follow, so every committed token is a plain sample."""
+    outputs, results = _speculative(
+        models, verify="packed", tree=TreeShape(topk=2, nodes=6), policy=policy
+    )
+    tau = np.mean([r.tau for r in results])
+    p = chi_square_p(plain_counts, _counts(outputs))
+    assert tau > 1.05, "acceptance must actually happen"  # the drafter is random
+    assert p > P_HONEST, f"sampled tree decoding differs from plain sampling (p={p:.2e})"
 
 
 def _rejection_rows(key, drafts_BxKm1, q_BxKm1xV, logits_BxWxV, width_B):

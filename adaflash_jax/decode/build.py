@@ -12,11 +12,17 @@ from __future__ import annotations
 import os
 
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
-from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, LengthPolicy, PolicyError
+from adaflash_jax.decode.policy import (
+    AdaFlashPolicy,
+    FixedPolicy,
+    LengthPolicy,
+    PolicyError,
+    TreeBatchPolicy,
+)
 from adaflash_jax.decode.slots import SpeculativeEngine
 from adaflash_jax.io.cost_table import VerifyCostTable
 
-POLICY_NAMES = ("fixed", "adaflash", "goodput")
+POLICY_NAMES = ("fixed", "adaflash", "goodput", "tree-batch")
 
 
 def make_policy(name: str, *, cost: VerifyCostTable | None = None, **kwargs) -> LengthPolicy:
@@ -25,6 +31,8 @@ def make_policy(name: str, *, cost: VerifyCostTable | None = None, **kwargs) -> 
         return FixedPolicy(**kwargs)
     if name == "adaflash":
         return AdaFlashPolicy(**kwargs)
+    if name == "tree-batch":
+        return TreeBatchPolicy(**kwargs)
     if name == "goodput":
         if cost is None:
             raise PolicyError("the goodput policy needs a verify-cost table (cost=...)")

@@ -11,6 +11,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.decode import tree
 from adaflash_jax.decode.policy import Draft
 from adaflash_jax.decode.tokens import logits_to_probs
 from adaflash_jax.drafter.config import DrafterConfig
@@ -57,7 +58,18 @@ def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
         num_running=jnp.sum(active_B.astype(jnp.int32)),
         buckets=spec.buckets,
         token_buckets=spec.token_buckets,
+        tree=None
+        if spec.tree is None
+        else tree.build(surrogate(logits_BxKm1xV, s, spec), spec.tree),
     )
+
+
+def surrogate(logits_BxKm1xV, s, spec):
+    """The per-position log probabilities a tree ranks paths by: the drafter's distribution
+    at the sampling temperature (at temperature 1 when greedy: the one-hot limit would rank
+    nothing)."""
+    temp = 1.0 if spec.greedy else jnp.where(s.temperature > 0, s.temperature, 1.0)
+    return jax.nn.log_softmax(logits_BxKm1xV / temp, axis=-1)
 
 
 def sample_drafts(key, logits_BxKm1xV, s, spec):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from adaflash_jax.decode.tree import NO_NODE, Tree
 from adaflash_jax.drafter.length_head import SERVING_RATE, verify_length
 
 PolicyState = Any  # a pytree: () for a policy without state
@@ -56,10 +57,18 @@ class Draft:
     # the engine's verify widths, and packed verify's token buckets (() padded), static
     buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
     token_buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    # a draft tree per row (`decode/tree.py`; None: chains): a width is then the row's root
+    # and its first w − 1 nodes, within [1, N + 1]
+    tree: Tree | None = None
 
     @property
     def block_size(self) -> int:
         return self.hidden_BxKxD.shape[1]
+
+    @property
+    def row_width(self) -> int:
+        """The most tokens a row may verify: K, or a tree's N + 1."""
+        return self.block_size if self.tree is None else self.tree.tokens_BxN.shape[1] + 1
 
 
 @struct.dataclass
@@ -84,6 +93,10 @@ class Decision:
 
 
 NEVER = 2**30  # a probe interval that never comes
+NOT_FOR_TREES = (
+    "the {name} policy sizes chains; draft trees take the fixed policy (every row its whole "
+    "tree: a per-row node budget) or tree-batch (one node budget over the batch)"
+)
 
 
 class LengthPolicy(Protocol):
@@ -95,10 +108,10 @@ class LengthPolicy(Protocol):
     may_skip: bool  # `speculate` may answer "don't draft" (the engine's undrafted loop)
 
     def validate(
-        self, *, buckets: tuple[int, ...], has_length_head: bool, fills: tuple = ()
+        self, *, buckets: tuple[int, ...], has_length_head: bool, fills: tuple = (), tree=None
     ) -> None:
         """Raises PolicyError for an engine it cannot serve (`fills`: packed verify's token
-        buckets per slot, () when padded)."""
+        buckets per slot, () when padded; `tree`: the engine's `TreeShape`, None: chains)."""
 
     def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
         """A fresh state; `previous` is the state an earlier `generate` call ended with (a
@@ -122,7 +135,7 @@ class Stateless:
     needs_accept_head = False
     may_skip = False
 
-    def validate(self, *, buckets, has_length_head, fills=()):
+    def validate(self, *, buckets, has_length_head, fills=(), tree=None):
         pass
 
     def init(self, slots: Slots, previous: PolicyState | None = None) -> PolicyState:
@@ -137,13 +150,14 @@ class Stateless:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FixedPolicy(Stateless):
-    """Always the whole block (DFlash)."""
+    """Always the whole block (DFlash), or a tree's every node (a per-row node budget, as
+    DDTree publishes)."""
 
     name = "fixed"
     needs_length_head = False
 
     def widths(self, draft: Draft, state):
-        return jnp.full(draft.active_B.shape, draft.block_size, jnp.int32), state
+        return jnp.full(draft.active_B.shape, draft.row_width, jnp.int32), state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,7 +169,9 @@ class AdaFlashPolicy(Stateless):
     name = "adaflash"
     needs_length_head = True
 
-    def validate(self, *, buckets, has_length_head, fills=()):
+    def validate(self, *, buckets, has_length_head, fills=(), tree=None):
+        if tree is not None:
+            raise PolicyError(NOT_FOR_TREES.format(name=self.name))
         if not has_length_head:
             raise PolicyError("the adaflash policy needs a drafter with a length head")
 
@@ -163,3 +179,36 @@ class AdaFlashPolicy(Stateless):
         k = draft.block_size
         head_B = verify_length(draft.length_r_B, k, self.rate)
         return jnp.where(draft.num_running > self.threshold, head_B, k).astype(jnp.int32), state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeBatchPolicy(Stateless):
+    """Draft trees with one node budget for the whole batch: `mean_nodes` × the running rows
+    nodes go to the best nodes of every row at once, ranked by path probability (each row's
+    nodes come best first, so a row takes a prefix of its tree): a confident row gets a deep
+    tree, a hopeless one none (its step verifies its bonus alone). Σ of the ranked path
+    probabilities is the expected accepted drafts, so no split of the budget expects more."""
+
+    mean_nodes: float = 4.0
+    name = "tree-batch"
+    needs_length_head = False
+
+    def validate(self, *, buckets, has_length_head, fills=(), tree=None):
+        if tree is None:
+            raise PolicyError("the tree-batch policy allocates tree nodes: give the engine a tree")
+        if not 0 <= self.mean_nodes <= tree.nodes:
+            raise PolicyError(
+                f"tree-batch's mean_nodes {self.mean_nodes} must be within [0, the tree's "
+                f"nodes per row {tree.nodes}]"
+            )
+
+    def widths(self, draft: Draft, state):
+        logp_BxN = draft.tree.logp_BxN
+        b, n = logp_BxN.shape
+        budget = jnp.floor(self.mean_nodes * draft.num_running).astype(jnp.int32)
+        live_BxN = (logp_BxN > NO_NODE / 2) & draft.active_B[:, None]
+        score_P = jnp.where(live_BxN, logp_BxN, NO_NODE).reshape(-1)
+        order_P = jnp.argsort(-score_P, stable=True)  # ties: the earlier row, then node
+        rank_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(b * n, dtype=order_P.dtype))
+        taken_BxN = (rank_P < budget).reshape(b, n) & live_BxN
+        return 1 + jnp.sum(taken_BxN.astype(jnp.int32), axis=1), state

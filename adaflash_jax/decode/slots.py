@@ -28,6 +28,7 @@ from adaflash_jax.decode.drafting import EngineDrafter
 from adaflash_jax.decode.loops import DRAFTED, UNDRAFTED
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy, PolicyError, Slots
 from adaflash_jax.decode.state import EngineSpec, SpecState, Undrafted, bucket_set
+from adaflash_jax.decode.tree import TreeShape
 from adaflash_jax.drafter.hf_config import ACCEPT_FILE
 from adaflash_jax.model.target import TargetLM
 from adaflash_jax.sharding.rows import RowLayout, fetch
@@ -66,6 +67,18 @@ def has_accept_output(drafter) -> bool:
     return drafter.length_head is not None and drafter.length_head.has_accept_output
 
 
+def check_tree(tree: TreeShape, drafter, verify: str, acceptance) -> None:
+    """Refuses, by name, what a tree engine cannot honour."""
+    if drafter is None:
+        raise EngineError("a draft tree needs a drafter")
+    if verify != "packed":
+        raise EngineError(f"draft trees verify packed (verify='packed'), not {verify!r}")
+    if acceptance is not None:
+        raise EngineError(
+            "draft trees accept by their walk; a token-wise acceptance rule is for chains"
+        )
+
+
 def _pow2_at_least(n: int, cap: int) -> int:  # n >= 1
     return min(1 << (n - 1).bit_length(), cap)
 
@@ -84,7 +97,9 @@ class SpeculativeEngine:
     "padded" runs every row at the bucket of the widest request, "packed" only each row's
     own tokens, padded to a token bucket (`token_buckets`, default `token_bucket_set`).
     `pending_steps`: the undrafted steps whose drafter-context entries one batched pass
-    commits (`undrafted.py`; only a policy that may skip drafting runs them)."""
+    commits (`undrafted.py`; only a policy that may skip drafting runs them). `tree`: each
+    row verifies a draft tree of that shape instead of a chain (`tree.py`; packed verify,
+    a policy that serves trees: fixed or tree-batch)."""
 
     def __init__(
         self,
@@ -105,6 +120,7 @@ class SpeculativeEngine:
         verify: str = "padded",
         token_buckets: Sequence[int] | None = None,
         pending_steps: int = 32,
+        tree: TreeShape | None = None,
     ):
         cfg = target.config
         if verify not in VERIFY_LAYOUTS:
@@ -120,6 +136,8 @@ class SpeculativeEngine:
             )
         if not temperature >= 0 or not 0 < top_p <= 1:
             raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1: {temperature}, {top_p}")
+        if tree is not None:
+            check_tree(tree, drafter, verify, acceptance)
         if drafter is None or policy is None:
             policy = FixedPolicy()  # plain decoding: width 1 = K, nothing to choose
         if drafter is not None:
@@ -135,13 +153,14 @@ class SpeculativeEngine:
         self.buckets = bucket_set(buckets, k)
         self.token_buckets = ()
         if verify == "packed" and drafter is not None:
+            widest = self.buckets if tree is None else (tree.row_width,)  # a row's most tokens
             self.token_buckets = tuple(
-                sorted(set(map(int, token_buckets or token_bucket_set(slots, self.buckets))))
+                sorted(set(map(int, token_buckets or token_bucket_set(slots, widest))))
             )
-            if self.token_buckets[0] < 1 or self.token_buckets[-1] < slots * self.buckets[-1]:
+            if self.token_buckets[0] < 1 or self.token_buckets[-1] < slots * max(widest):
                 raise EngineError(
-                    f"token buckets {self.token_buckets} must be >= 1 and reach slots × the "
-                    f"widest bucket = {slots * self.buckets[-1]}"
+                    f"token buckets {self.token_buckets} must be >= 1 and reach slots × a "
+                    f"row's most tokens = {slots * max(widest)}"
                 )
         self.seed = seed
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -152,6 +171,7 @@ class SpeculativeEngine:
                     buckets=self.buckets,
                     has_length_head=drafter.length_head is not None,
                     fills=tuple(p / slots for p in self.token_buckets),
+                    tree=tree,
                 )
             except PolicyError as e:
                 raise EngineError(str(e)) from None
@@ -168,6 +188,7 @@ class SpeculativeEngine:
             acceptance=acceptance,
             rows=rows,
             pending=pending_steps if drafter is not None and policy.may_skip else 0,
+            tree=tree,
         )
         self.policy_slots = Slots(count=slots, block_size=k)  # what the policy sizes its state by
         self.first_program = UNDRAFTED if drafter is not None and policy.may_skip else DRAFTED

@@ -24,6 +24,7 @@ from flax import struct
 
 from adaflash_jax.decode import acceptance
 from adaflash_jax.decode.policy import FixedPolicy, LengthPolicy
+from adaflash_jax.decode.tree import TreeShape
 from adaflash_jax.model.cache import Cache
 from adaflash_jax.sharding.rows import RowLayout
 
@@ -105,6 +106,7 @@ class EngineSpec:
     acceptance: Callable | None = None  # None → greedy_accept / rejection_accept
     rows: RowLayout | None = None  # slots split over mesh axes (None: every chip holds all)
     pending: int = 0  # U: undrafted steps whose context entries one flush commits
+    tree: TreeShape | None = None  # draft trees of this shape (packed verify), None: chains
 
     def __post_init__(self):
         # A serving engine's buckets end at K (`bucket_set`); a spec whose largest bucket W
@@ -115,6 +117,8 @@ class EngineSpec:
         p = list(self.token_buckets)
         if p and (p != sorted(set(p)) or p[0] < 1):
             raise ValueError(f"token buckets {self.token_buckets} must ascend from >= 1")
+        if self.tree is not None and not p:
+            raise ValueError("draft trees verify packed: give token buckets")
 
     @property
     def packed(self) -> bool:
@@ -132,6 +136,7 @@ class EngineSpec:
             policy=FixedPolicy(),
             acceptance=None,
             pending=0,
+            tree=None,
         )
 
     def top_p(self, s: SpecState):

@@ -44,20 +44,29 @@ def record(s: SpecState, active_B, accepted_B, width, request_B) -> SpecState:
 
 
 def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
-    """Draft → widths → verify → accept → commit for all slots."""
+    """Draft → widths → verify → accept → commit for all slots. With `spec.tree` the rows
+    verify trees (`decode/tree.py`) and commit the path their walk accepted."""
     active_B = ~s.done_B
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     d = draft(target, drafter, s, spec)
     width_B, policy_state = spec.policy.widths(d, s.policy_state)
-    width_B = jnp.where(active_B, jnp.clip(width_B, 1, spec.buckets[-1]), 0).astype(jnp.int32)
-    drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
-    tokens_BxK = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
-    accepted_B, bonus_B, target_entries, context_entries, bucket = verify(
-        target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key_accept
+    if d.tree is None:
+        width_B = jnp.clip(width_B, 1, spec.buckets[-1])
+        drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
+        tokens_BxW = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
+        parent_BxW = None
+    else:  # a tree's nodes are the drafter's top candidates: nothing is sampled
+        width_B = jnp.clip(width_B, 1, 1 + d.tree.size_B)
+        tokens_BxW, parent_BxW = d.tree.verify_tokens(s.bonus_B)
+        q_BxKm1xV = None
+    width_B = jnp.where(active_B, width_B, 0).astype(jnp.int32)
+    accepted_B, bonus_B, path_BxZ, target_entries, context_entries, bucket = verify(
+        target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key_accept
     )
     accepted_B = jnp.where(active_B, accepted_B, 0)
     j_K = jnp.arange(spec.block_size, dtype=jnp.int32)[None, :]
-    drafts_BxK = jnp.concatenate([drafts_BxKm1, jnp.zeros_like(drafts_BxKm1[:, :1])], axis=1)
+    walked_BxK = tokens_BxW if path_BxZ is None else jnp.take_along_axis(tokens_BxW, path_BxZ, 1)
+    drafts_BxK = jnp.concatenate([walked_BxK[:, 1:], jnp.zeros_like(walked_BxK[:, :1])], axis=1)
     committed_BxK = jnp.where(j_K < accepted_B[:, None], drafts_BxK, bonus_B[:, None])
     advance_B = jnp.where(active_B, accepted_B + 1, 0)
     s = commit_tokens(s, committed_BxK, accepted_B + 1, active_B)
@@ -67,7 +76,7 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     s = s.replace(verified=s.verified + jnp.sum(width_B), computed=s.computed + computed)
     outcome = Outcome(verified_B=active_B, width_B=width_B, accepted_B=accepted_B)
     return s.replace(
-        target_cache=s.target_cache.commit(target_entries, advance_B),
+        target_cache=s.target_cache.commit(target_entries, advance_B, path_BxZ),
         context_cache=s.context_cache.commit(context_entries, advance_B),
         bonus_B=jnp.where(active_B, bonus_B, s.bonus_B),
         undrafted=s.undrafted.replace(steps=jnp.zeros_like(s.undrafted.steps)),

@@ -18,6 +18,12 @@ returns both caches' per-layer entries (`model/cache.py`) in the row layout padd
 step commits them after the switch. A hybrid target's Gated DeltaNet layers return their
 per-token recurrence inputs as entries, padded the same way: the commit replays each row's
 accepted prefix of them, so the state ends at the row's own accepted length.
+
+A draft tree (`EngineSpec.tree`, packed only) verifies each row's root and nodes (W = N + 1
+row layout, `decode/tree.py`) under the ancestor mask, and accepts by walking the tree; the
+branch returns the walked path too. The target's entries are committed along it
+(`Cache.commit(..., path_BxZ)`); the drafter context's are computed from the path's features
+in order, so they commit as a chain.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decode.acceptance import accept
+from adaflash_jax.decode.tokens import pick_tokens
+from adaflash_jax.decode.tree import walk
+from adaflash_jax.model.cache import path_entries
 from adaflash_jax.model.packing import Packing, to_rows, to_tokens
 
 
@@ -38,14 +47,16 @@ def _pad_to(k: int, entries):
     )
 
 
-def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size, target_cache):
+def _branch(
+    target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key, size, target_cache
+):
     """One bucket's verify: `size` is its width W (padded) or its token count M (packed)."""
-    b, k = tokens_BxK.shape
+    b, w = tokens_BxW.shape
     if spec.packed:
-        packing = Packing.create(width_B, tokens=size, row_width=k)
-        tokens_MxT, layout = to_tokens(packing, tokens_BxK), packing
+        packing = Packing.create(width_B, tokens=size, row_width=w, parent_BxW=parent_BxW)
+        tokens_MxT, layout = to_tokens(packing, tokens_BxW), packing
     else:
-        packing, tokens_MxT, layout = None, tokens_BxK[:, :size], Packing.dense(b, size)
+        packing, tokens_MxT, layout = None, tokens_BxW[:, :size], Packing.dense(b, size)
     out = target(
         tokens_MxT,
         cache=target_cache,
@@ -54,31 +65,49 @@ def _branch(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key, size,
         rows=spec.rows,
         packing=packing,
     )
-    ctx_entries = drafter.context_entries(s.context_cache, to_rows(packing, out.features_BxTxnD))
+    features_BxWxnD = to_rows(packing, out.features_BxTxnD)
     logits_MxV = out.logits_BxTxV.reshape(layout.tokens, -1).astype(jnp.float32)
-    accepted_B, bonus_B = accept(
-        spec.accept_fn,
-        key,
-        layout,
-        tokens_BxK,
-        q_BxKm1xV,
-        logits_MxV,
-        width_B,
-        s.temperature,
-        spec.top_p(s),
+    if parent_BxW is None:
+        accepted_B, bonus_B = accept(
+            spec.accept_fn,
+            key,
+            layout,
+            tokens_BxW,
+            q_BxKm1xV,
+            logits_MxV,
+            width_B,
+            s.temperature,
+            spec.top_p(s),
+        )
+        path_BxZ = None
+    else:  # each token's target choice, then the walk; the context takes the path's features
+        choice_M = pick_tokens(key, logits_MxV, s.temperature, spec.top_p(s), greedy=spec.greedy)
+        choice_BxW = layout.unpack(choice_M)
+        accepted_B, path_BxZ, bonus_B = walk(
+            tokens_BxW, parent_BxW, choice_BxW, width_B, spec.block_size - 1
+        )
+        features_BxWxnD = path_entries(features_BxWxnD, path_BxZ)
+    ctx_entries = drafter.context_entries(s.context_cache, features_BxWxnD)
+    return (
+        accepted_B,
+        bonus_B,
+        path_BxZ,
+        _pad_to(w, out.entries),
+        _pad_to(spec.block_size, ctx_entries),
     )
-    return accepted_B, bonus_B, _pad_to(k, out.entries), _pad_to(k, ctx_entries)
 
 
-def verify(target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key):
-    """Returns (accepted_B, bonus_B, the target's and the drafter context's per-layer entries
-    of the verified tokens [B, K, ...] with zeros past a row's tokens, and the bucket: W
-    padded, M packed)."""
+def verify(target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key):
+    """Verifies each row's first `width_B[b]` tokens of `tokens_BxW` (a chain [B, K], or
+    with `parent_BxW` a tree [B, N + 1]). Returns (accepted_B, bonus_B, the accepted path
+    [B, K] of token indices (None: a chain's prefix), the target's per-layer entries of the
+    verified tokens [B, W, ...] and the drafter context's of the committable ones [B, K, ...]
+    with zeros past a row's tokens, and the bucket: W padded, M packed)."""
     sizes = spec.token_buckets if spec.packed else spec.buckets
     need = jnp.sum(width_B) if spec.packed else jnp.max(width_B)
     sizes_N = jnp.asarray(sizes, jnp.int32)
     bucket = jnp.sum((sizes_N < need).astype(jnp.int32))
     bucket = jnp.minimum(bucket, len(sizes) - 1)  # a spec pinned below K caps it
-    args = (target, drafter, s, spec, tokens_BxK, q_BxKm1xV, width_B, key)
+    args = (target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key)
     branches = [functools.partial(_branch, *args, size) for size in sizes]
     return (*jax.lax.switch(bucket, branches, s.target_cache), sizes_N[bucket])

@@ -19,6 +19,13 @@ Two forms compute it, in float32:
   With one chunk (T ≤ Tc: decoding's verify and replay) there is no loop over chunks.
 A token with g = 0 and β = 0 leaves the state as it was: masking does that for padding and for
 drafted tokens a row did not accept.
+
+A draft tree (`chunked_form` with `visible_BxTxT`, one chunk) runs the same system with the
+ancestor mask in place of the causal one and G each token's decay summed along its own path:
+a token's row of (I + A)^-1 only reaches its ancestors (the mask is closed under taking
+ancestors), whose entries are those of the chain along its path, so every token's output is
+the chain's along its root-to-token path. The state it ends in means nothing for a tree: the
+commit replays the accepted path (`recurrent_state.py`).
 """
 
 from __future__ import annotations
@@ -56,13 +63,22 @@ def recurrent_form(q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ, stat
 
 
 def chunked_form(
-    q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, g_BxTxJ, beta_BxTxJ, state_BxJxDkxDv, chunk=DEFAULT_CHUNK
+    q_BxTxJxDk,
+    k_BxTxJxDk,
+    v_BxTxJxDv,
+    g_BxTxJ,
+    beta_BxTxJ,
+    state_BxJxDkxDv,
+    chunk=DEFAULT_CHUNK,
+    visible_BxTxT=None,
 ):
     """Tc = min(chunk, T) tokens at a time (T padded to a multiple with state-neutral tokens);
-    the same outputs and final state as `recurrent_form`."""
+    the same outputs and final state as `recurrent_form`. `visible_BxTxT` (a tree's
+    ancestor-or-self mask, the tokens in topological order): one chunk, each token's output
+    the chain's along its path; the final state is not meaningful."""
     b, t, j, dk = q_BxTxJxDk.shape
     dv = v_BxTxJxDv.shape[-1]
-    tc = min(chunk, t)
+    tc = min(chunk, t) if visible_BxTxT is None else t
     nc = -(-t // tc)
     f32 = jnp.float32
 
@@ -74,12 +90,17 @@ def chunked_form(
 
     q, k, v = chunks(q_BxTxJxDk * dk**-0.5), chunks(k_BxTxJxDk), chunks(v_BxTxJxDv)
     g_NcxBxJxTc, beta_NcxBxJxTc = chunks(g_BxTxJ), chunks(beta_BxTxJ)
-    cum_NcxBxJxTc = jnp.cumsum(g_NcxBxJxTc, axis=-1)
-    # decay from token s to token r inside a chunk (r ≥ s), 0 above the diagonal
-    lower_TcxTc = jnp.tril(jnp.ones((tc, tc), bool))
+    if visible_BxTxT is None:
+        cum_NcxBxJxTc = jnp.cumsum(g_NcxBxJxTc, axis=-1)
+        lower_TcxTc = jnp.tril(jnp.ones((tc, tc), bool))
+        strict_TcxTc = jnp.tril(jnp.ones((tc, tc), bool), -1)
+    else:  # the decay summed along each token's path; ancestors in place of earlier tokens
+        cum_NcxBxJxTc = jnp.einsum("brs,nbjs->nbjr", visible_BxTxT.astype(f32), g_NcxBxJxTc)
+        lower_TcxTc = visible_BxTxT[None, :, None]
+        strict_TcxTc = lower_TcxTc & ~jnp.eye(tc, dtype=bool)
+    # decay from token s to token r inside a chunk (s before r), 0 elsewhere
     gap = cum_NcxBxJxTc[..., :, None] - cum_NcxBxJxTc[..., None, :]
     decay_NcxBxJxTcxTc = jnp.where(lower_TcxTc, jnp.exp(jnp.where(lower_TcxTc, gap, 0.0)), 0.0)
-    strict_TcxTc = jnp.tril(jnp.ones((tc, tc), bool), -1)
     kk = jnp.einsum("nbjrd,nbjsd->nbjrs", k, k)
     a_NcxBxJxTcxTc = jnp.where(strict_TcxTc, beta_NcxBxJxTc[..., None] * kk * decay_NcxBxJxTcxTc, 0)
     # U = (I + A)^-1 β v and W = (I + A)^-1 β exp(G) k: the chunk's writes before the state

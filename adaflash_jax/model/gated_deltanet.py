@@ -50,12 +50,21 @@ class GatedRMSNorm(nnx.Module):
         return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(self.dtype)
 
 
-def causal_conv(history_BxA1xX, new_BxTxX, weight_XxA):
+def causal_conv(history_BxA1xX, new_BxTxX, weight_XxA, packing=None):
     """Depthwise causal conv of the new inputs over [history ; new], then SiLU: output t is
-    Σ_a w[:, a] · input[t − (A − 1) + a]."""
+    Σ_a w[:, a] · input[t − (A − 1) + a]; in a tree (`packing.is_tree`) the inputs before a
+    token are its ancestors', then the history."""
     t, taps = new_BxTxX.shape[1], weight_XxA.shape[1]
     seq_BxA1TxX = jnp.concatenate([history_BxA1xX.astype(new_BxTxX.dtype), new_BxTxX], axis=1)
-    out_BxTxX = sum(seq_BxA1TxX[:, a : a + t] * weight_XxA[:, a] for a in range(taps))
+    if packing is None or not packing.is_tree:
+        out_BxTxX = sum(seq_BxA1TxX[:, a : a + t] * weight_XxA[:, a] for a in range(taps))
+        return jax.nn.silu(out_BxTxX)
+    out_BxTxX = 0.0
+    for a in range(taps):  # the input `taps − 1 − a` generations up: column A − 1 + ancestor
+        at_BxT = packing.ancestors(taps - 1 - a) + (taps - 1)
+        out_BxTxX = (
+            out_BxTxX + jnp.take_along_axis(seq_BxA1TxX, at_BxT[..., None], 1) * (weight_XxA[:, a])
+        )
     return jax.nn.silu(out_BxTxX)
 
 
@@ -112,7 +121,7 @@ class GatedDeltaNet(nnx.Module):
         qkv_BxTxX = to_rows(packing, self.in_proj_qkv(x_BxTxD))
         b, t, _ = qkv_BxTxX.shape
         state = self.init_state(b) if cache is None else cache
-        mixed_BxTxX = causal_conv(state.history_BxA1xX, qkv_BxTxX, self.conv1d[...][:, 0])
+        mixed_BxTxX = causal_conv(state.history_BxA1xX, qkv_BxTxX, self.conv1d[...][:, 0], packing)
         kd = self.key_heads * self.key_dim
         repeat = self.heads // self.key_heads
         q = mixed_BxTxX[..., :kd].reshape(b, t, self.key_heads, self.key_dim)
@@ -129,10 +138,11 @@ class GatedDeltaNet(nnx.Module):
         run = entries if commit_B is None else entries.kept(commit_B)
         form_args = (q_BxTxJxDk, k_BxTxJxDk, v_BxTxJxDv, run.g_BxTxJ, run.beta_BxTxJ)
         form_args += (state.state_BxJxDkxDv,)
+        visible = None if packing is None else packing.visible_BxWxW  # a tree's ancestors
         if t == 1:
             out_BxTxJxDv, final = recurrent_form(*form_args)
         else:
-            out_BxTxJxDv, final = chunked_form(*form_args, chunk=self.chunk)
+            out_BxTxJxDv, final = chunked_form(*form_args, self.chunk, visible)
         if cache is None:
             entries = None
         elif commit_B is not None:

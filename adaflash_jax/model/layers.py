@@ -103,10 +103,13 @@ def attend(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, mask_BxTxS):
     return out_BxTxKvxGxDh.reshape(b, t, h, dh)
 
 
-def attend_cached(q_BxTxHxDh, cache_k_BxSxKvxDh, cache_v, lengths_B, new_k_BxTxKvxDh, new_v):
-    """Attention of T new tokens over [a cache's committed entries ; themselves (causal)]
-    WITHOUT writing them into the cache: a two-part softmax (no concatenation, which would
-    copy the cache), float32 scores, probabilities normalised before the value product."""
+def attend_cached(
+    q_BxTxHxDh, cache_k_BxSxKvxDh, cache_v, lengths_B, new_k_BxTxKvxDh, new_v, visible_BxTxT=None
+):
+    """Attention of T new tokens over [a cache's committed entries ; themselves (causal, or
+    where `visible_BxTxT` says: a tree's ancestors)] WITHOUT writing them into the cache: a
+    two-part softmax (no concatenation, which would copy the cache), float32 scores,
+    probabilities normalised before the value product."""
     b, t, h, dh = q_BxTxHxDh.shape
     kv = cache_k_BxSxKvxDh.shape[2]
     q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
@@ -117,9 +120,10 @@ def attend_cached(q_BxTxHxDh, cache_k_BxSxKvxDh, cache_v, lengths_B, new_k_BxTxK
     s_new = jnp.einsum("btkgd,bukd->bkgtu", q, new_k_BxTxKvxDh, preferred_element_type=f32)
     s_new = s_new * scale
     visible_BxS = jnp.arange(cache_k.shape[1])[None, :] < lengths_B[:, None]
-    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+    if visible_BxTxT is None:
+        visible_BxTxT = jnp.tril(jnp.ones((t, t), bool))[None]
     s_cache = jnp.where(visible_BxS[:, None, None, None, :], s_cache, NEG_INF)
-    s_new = jnp.where(causal_TxT[None, None, None], s_new, NEG_INF)
+    s_new = jnp.where(visible_BxTxT[:, None, None], s_new, NEG_INF)
     top = jnp.maximum(s_cache.max(axis=-1), s_new.max(axis=-1))[..., None]
     p_cache, p_new = jnp.exp(s_cache - top), jnp.exp(s_new - top)
     denom = p_cache.sum(axis=-1, keepdims=True) + p_new.sum(axis=-1, keepdims=True)

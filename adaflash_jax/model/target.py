@@ -111,7 +111,8 @@ class Attention(AttentionProjections):
             k_all, v_all = (c.astype(q.dtype) for c in (cache.k_BxSxKvxDh, cache.v_BxSxKvxDh))
             return self.output(attend(q, k_all, v_all, mask_BxTxS), gate), cache
         k, v = (e.astype(q.dtype) for e in (entries.k_BxTxKvxDh, entries.v_BxTxKvxDh))
-        out = attend_cached(q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v)
+        visible = None if packing is None else packing.visible_BxWxW  # a tree's ancestors
+        out = attend_cached(q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v, visible)
         return self.output(to_tokens(packing, out), gate), entries
 
 

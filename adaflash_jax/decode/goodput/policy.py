@@ -32,7 +32,15 @@ import numpy as np
 from flax import struct
 
 from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
-from adaflash_jax.decode.policy import NEVER, Decision, Draft, Outcome, PolicyError, Slots
+from adaflash_jax.decode.policy import (
+    NEVER,
+    NOT_FOR_TREES,
+    Decision,
+    Draft,
+    Outcome,
+    PolicyError,
+    Slots,
+)
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
@@ -137,7 +145,9 @@ class GoodputPolicy:
     def may_skip(self) -> bool:
         return self.skip_draft
 
-    def validate(self, *, buckets, has_length_head, fills=()):
+    def validate(self, *, buckets, has_length_head, fills=(), tree=None):
+        if tree is not None:
+            raise PolicyError(NOT_FOR_TREES.format(name=self.name))
         unknown = [f for f in fills if f not in self.cost.fills]
         if unknown:
             raise PolicyError(

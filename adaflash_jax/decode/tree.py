@@ -1,0 +1,166 @@
+"""Draft trees from one block pass, and the walk that accepts along them (docs/design.md §5.6).
+
+Dimensions: B slots, K block size, V vocab, C top candidates per position (`TreeShape.topk`),
+N tree nodes per row (`TreeShape.nodes`), W = N + 1 a row's verify tokens (the root: its
+bonus token, then its nodes), Q candidate slots of the selection (2N + 1).
+
+A DFlash block pass gives one distribution per draft position d = 1..K−1, and none depends
+on the tokens drafted before it. So the candidates for a node at depth d are the C most
+likely tokens of position d, whatever its parent, and a node's path probability is the
+product of its path's per-position probabilities (the surrogate for the chance the target
+accepts the whole path). `build` selects the N nodes of largest path probability best-first
+(DDTree): each selected node offers two candidates, its first child (the best token one
+position deeper) and its next sibling (its parent's next best token), so every node is
+offered exactly once and no candidate beats the node that offered it. The selection is
+prefix-closed (a parent is selected before its children) and in non-increasing order: the
+first n nodes of a row are its best tree of n nodes, which is what a policy's budget takes.
+
+A row's tree is packed with parent indices into its verify tokens (the root is token 0), so
+a node's position is the row's length plus its depth (`model/packing.py` builds the ancestor
+mask from them). `walk` accepts: each verified token has a target token (the argmax, or a
+draw from the target's distribution there); from the root, the walk moves to the child whose
+token is the target token of where it stands, while there is one; the target token where it
+stops is the new bonus. Each committed token is then the target's own choice given the
+committed ones before it, which is plain decoding: lossless, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NO_NODE = -1e30  # a log path probability no real node has (a slot the selection left empty)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """A static tree size: `topk` candidates per position, `nodes` selected per row."""
+
+    topk: int
+    nodes: int
+
+    def __post_init__(self):
+        if self.topk < 1 or self.nodes < 1:
+            raise ValueError(f"a tree needs topk >= 1 and nodes >= 1, got {self}")
+
+    @property
+    def row_width(self) -> int:
+        """W: the root and the nodes."""
+        return self.nodes + 1
+
+
+@struct.dataclass
+class Tree:
+    """Each row's selected nodes in selection order (node i of the row is verify token i + 1)."""
+
+    tokens_BxN: jax.Array  # int32 drafted token
+    parent_BxN: jax.Array  # int32 verify-token index of the parent (0: the root)
+    depth_BxN: jax.Array  # int32 in [1, K − 1]
+    logp_BxN: jax.Array  # float32 log path probability, non-increasing; NO_NODE: empty
+
+    @property
+    def size_B(self) -> jax.Array:
+        """int32 [B]: the nodes selected (fewer than N where the candidates ran out)."""
+        return jnp.sum((self.logp_BxN > NO_NODE / 2).astype(jnp.int32), axis=1)
+
+    def verify_tokens(self, bonus_B):
+        """([B, W] the root then the nodes, [B, W] parents with the root its own)."""
+        tokens_BxW = jnp.concatenate([bonus_B[:, None], self.tokens_BxN], axis=1)
+        root_Bx1 = jnp.zeros_like(self.parent_BxN[:, :1])
+        return tokens_BxW, jnp.concatenate([root_Bx1, self.parent_BxN], axis=1)
+
+
+def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
+    """The N best nodes per row by path probability under the per-position log
+    probabilities `logp_BxKm1xV` (one selection per node, over at most 2N + 1 candidates)."""
+    b, km1, _ = logp_BxKm1xV.shape
+    c = min(shape.topk, logp_BxKm1xV.shape[-1])
+    n, q = shape.nodes, 2 * shape.nodes + 1
+    top_logp_BxKm1xC, top_tok_BxKm1xC = jax.lax.top_k(logp_BxKm1xV.astype(jnp.float32), c)
+    rows_B = jnp.arange(b)
+
+    def at(d_B, r_B):  # the r-th best log probability at depth d (1-based)
+        return top_logp_BxKm1xC[rows_B, jnp.clip(d_B - 1, 0, km1 - 1), jnp.clip(r_B, 0, c - 1)]
+
+    ones_B = jnp.ones((b,), jnp.int32)
+    cand = dict(  # the candidates: offered by a selected node, not yet taken
+        score_BxQ=jnp.full((b, q), NO_NODE, jnp.float32).at[:, 0].set(at(ones_B, 0 * ones_B)),
+        parent_BxQ=jnp.zeros((b, q), jnp.int32),
+        depth_BxQ=jnp.ones((b, q), jnp.int32),
+        rank_BxQ=jnp.zeros((b, q), jnp.int32),
+    )
+    nodes = dict(
+        tokens_BxN=jnp.zeros((b, n), jnp.int32),
+        parent_BxN=jnp.zeros((b, n), jnp.int32),
+        depth_BxN=jnp.ones((b, n), jnp.int32),
+        logp_BxN=jnp.full((b, n), NO_NODE, jnp.float32),
+    )
+
+    def select(i, carry):
+        cand, nodes = carry
+        best_B = jnp.argmax(cand["score_BxQ"], axis=1)
+        score_B = cand["score_BxQ"][rows_B, best_B]
+        live_B = score_B > NO_NODE / 2
+        parent_B, depth_B = cand["parent_BxQ"][rows_B, best_B], cand["depth_BxQ"][rows_B, best_B]
+        rank_B = cand["rank_BxQ"][rows_B, best_B]
+        token_B = top_tok_BxKm1xC[rows_B, depth_B - 1, rank_B].astype(jnp.int32)
+        nodes = dict(
+            tokens_BxN=nodes["tokens_BxN"].at[:, i].set(token_B),
+            parent_BxN=nodes["parent_BxN"].at[:, i].set(parent_B),
+            depth_BxN=nodes["depth_BxN"].at[:, i].set(depth_B),
+            logp_BxN=nodes["logp_BxN"].at[:, i].set(jnp.where(live_B, score_B, NO_NODE)),
+        )
+        # the node (verify token i + 1) offers its first child and its next sibling
+        child_ok_B = live_B & (depth_B < km1)
+        sibling_ok_B = live_B & (rank_B + 1 < c)
+        child_B = score_B + at(depth_B + 1, 0 * rank_B)
+        sibling_B = score_B - at(depth_B, rank_B) + at(depth_B, rank_B + 1)
+        offers = (
+            (2 * i + 1, jnp.where(child_ok_B, child_B, NO_NODE), i + 1, depth_B + 1, 0 * rank_B),
+            (2 * i + 2, jnp.where(sibling_ok_B, sibling_B, NO_NODE), parent_B, depth_B, rank_B + 1),
+        )
+        score_BxQ = cand["score_BxQ"].at[rows_B, best_B].set(NO_NODE)
+        parent_BxQ, depth_BxQ, rank_BxQ = cand["parent_BxQ"], cand["depth_BxQ"], cand["rank_BxQ"]
+        for slot, s_B, p_B, d_B, r_B in offers:
+            score_BxQ = score_BxQ.at[:, slot].set(s_B)
+            parent_BxQ = parent_BxQ.at[:, slot].set(p_B)
+            depth_BxQ = depth_BxQ.at[:, slot].set(d_B)
+            rank_BxQ = rank_BxQ.at[:, slot].set(r_B)
+        cand = dict(
+            score_BxQ=score_BxQ, parent_BxQ=parent_BxQ, depth_BxQ=depth_BxQ, rank_BxQ=rank_BxQ
+        )
+        return cand, nodes
+
+    _, nodes = jax.lax.fori_loop(0, n, select, (cand, nodes))
+    return Tree(**nodes)
+
+
+def walk(tokens_BxW, parent_BxW, target_BxW, width_B, max_depth: int):
+    """Acceptance along each row's tree of its first `width_B[b]` verify tokens: from the
+    root, the child whose token is the target token where the walk stands, `max_depth`
+    times at most. Returns (accepted_B int32: drafts accepted, path_BxZ int32 [B, max_depth
+    + 1]: the verify tokens walked, root first, the last repeated past the walk's end,
+    bonus_B int32: the target token where it stopped)."""
+    b, w = tokens_BxW.shape
+    j_W = jnp.arange(w, dtype=jnp.int32)
+    valid_BxW = (j_W[None] < width_B[:, None]) & (j_W[None] > 0)
+    # child_BxWxW[b, i, j]: token j is the child of token i that the target token at i picks
+    child_BxWxW = (
+        valid_BxW[:, None, :]
+        & (parent_BxW[:, None, :] == j_W[None, :, None])
+        & (tokens_BxW[:, None, :] == target_BxW[:, :, None])
+    )
+    has_BxW = jnp.any(child_BxWxW, axis=2)
+    next_BxW = jnp.where(has_BxW, jnp.argmax(child_BxWxW, axis=2), j_W[None]).astype(jnp.int32)
+    rows_B = jnp.arange(b)
+    at_B = jnp.zeros((b,), jnp.int32)
+    path = [at_B]
+    for _ in range(max_depth):
+        at_B = next_BxW[rows_B, at_B]
+        path.append(at_B)
+    path_BxZ = jnp.stack(path, axis=1)
+    accepted_B = jnp.sum((path_BxZ[:, 1:] != path_BxZ[:, :-1]).astype(jnp.int32), axis=1)
+    return accepted_B, path_BxZ, target_BxW[rows_B, at_B]
