@@ -152,3 +152,13 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+def tree_shape(text: str):
+    """argparse `type=` for a draft tree, TOPKxNODES (`decode.tree.TreeShape.parse`)."""
+    from adaflash_jax.decode.tree import TreeShape
+
+    try:
+        return TreeShape.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -18,7 +18,7 @@ import os
 import jax.numpy as jnp
 
 from adaflash_jax.bench.engines import speculative_generate
-from adaflash_jax.cli import int_list, one_line_errors
+from adaflash_jax.cli import int_list, one_line_errors, tree_shape
 from adaflash_jax.decode.build import POLICY_NAMES
 from adaflash_jax.decode.generate import GenerateError, generate
 from adaflash_jax.decode.goodput.policy import ESTIMATORS
@@ -55,20 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
     s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
-    s.add_argument(
-        "--verify", choices=VERIFY_LAYOUTS, default="padded", help="packed: each row's own tokens"
-    )
+    s.add_argument("--verify", choices=VERIFY_LAYOUTS, help="packed: each row's own tokens")
+    s.add_argument("--tree", type=tree_shape, help="TOPKxNODES: verify draft trees (packed)")
+    s.add_argument("--mean-nodes", type=float, help="--policy tree-batch: nodes per row")
     s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
-    s.add_argument(
-        "--no-skip-draft", action="store_true", help="goodput always drafts (no plain steps)"
-    )
+    s.add_argument("--no-skip-draft", action="store_true", help="goodput: no plain steps")
     a = p.parse_args(argv)
-    spec_only = a.block_size or a.slots or a.policy != "fixed" or a.cost_table
-    if a.drafter is None and (spec_only or a.verify != "padded"):
-        p.error("--block-size/--slots/--policy/--cost-table/--verify need --drafter")
+    spec_only = a.block_size or a.slots or a.policy != "fixed" or a.cost_table or a.tree
+    if a.drafter is None and (spec_only or a.verify):
+        p.error("--block-size/--slots/--policy/--cost-table/--verify/--tree need --drafter")
     if a.policy != "goodput" and (a.estimator or a.no_skip_draft):
         p.error("--estimator/--no-skip-draft are options of --policy goodput")
+    if (a.policy == "tree-batch") != (a.mean_nodes is not None):
+        p.error("--mean-nodes goes with --policy tree-batch, and it needs it")
     return a
 
 
@@ -108,7 +108,9 @@ def main(argv=None) -> None:
         run(args)
 
 
-def goodput_options(args) -> dict | None:
+def policy_options(args) -> dict | None:
+    if args.policy == "tree-batch":
+        return {"mean_nodes": args.mean_nodes}
     if args.policy != "goodput":
         return None
     options = {"skip_draft": not args.no_skip_draft}
@@ -133,8 +135,8 @@ def run(args) -> None:
         raise ConfigError(f"drafter {args.drafter} does not fit target: {e}") from None
     results = speculative_generate(
         model, drafter, prompts, max_new_tokens=args.max_new_tokens, slots=args.slots,
-        block_size=args.block_size, policy=args.policy, policy_kwargs=goodput_options(args),
-        cost_table=args.cost_table, verify=args.verify, **sampling,
+        block_size=args.block_size, policy=args.policy, policy_kwargs=policy_options(args),
+        cost_table=args.cost_table, verify=args.verify, tree=args.tree, **sampling,
     )  # fmt: skip
     stats = [
         {"accepted": r.accepted, "tau": None if r.steps == 0 else r.tau, "steps": r.steps}

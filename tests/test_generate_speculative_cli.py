@@ -61,6 +61,16 @@ def test_greedy_speculative_equals_plain(dirs, capsys):
     packed = _rows(capsys, base + spec_args + ["--verify", "packed"])  # each row's own tokens
     assert [r["output_ids"] for r in packed] == [r["output_ids"] for r in plain]
     assert [r["accepted"] for r in packed] == [r["accepted"] for r in spec]
+    for tree in (
+        ["--tree", "1x2"],
+        ["--tree", "2x5", "--policy", "tree-batch", "--mean-nodes", "2"],
+    ):
+        by_tree = _rows(capsys, base + spec_args + tree)  # draft trees: packed, walked
+        assert [r["output_ids"] for r in by_tree] == [r["output_ids"] for r in plain]
+    # a 1-wide tree of K − 1 = 2 nodes is the chain, step for step
+    assert [r["accepted"] for r in _rows(capsys, base + spec_args + ["--tree", "1x2"])] == [
+        r["accepted"] for r in spec
+    ]
     # text mode (same compiled programs) reports τ per prompt
     generate_cli.main([a for a in base if a != "--json"] + spec_args)
     assert capsys.readouterr().out.count("tau") == 3
@@ -75,6 +85,10 @@ def test_greedy_speculative_equals_plain(dirs, capsys):
         (["--drafter", "{drafter}", "--policy", "goodput", "--cost-table", "{target}/x"], "x"),
         (["--policy", "goodput"], "need --drafter"),
         (["--drafter", "{drafter}", "--estimator", "head"], "options of --policy goodput"),
+        (["--drafter", "{drafter}", "--tree", "2by4"], "TOPKxNODES"),
+        (["--drafter", "{drafter}", "--tree", "2x4", "--verify", "padded"], "verify packed"),
+        (["--drafter", "{drafter}", "--tree", "2x4", "--policy", "adaflash"], "sizes chains"),
+        (["--drafter", "{drafter}", "--policy", "tree-batch"], "--mean-nodes"),
         # refused before any verify-cost calibration: the drafter has no acceptance output
         (["--drafter", "{drafter}", "--policy", "goodput", "--estimator", "head"], "accept_probs"),
     ],

@@ -53,17 +53,17 @@ def test_best_first_selection_is_the_best_tree():
     for topk, n in ((3, 10), (2, 5), (1, 6)):
         tree = build(logp, TreeShape(topk=topk, nodes=n))
         for b in range(3):
-            got = np.asarray(tree.logp_BxN[b])
+            got = np.asarray(tree.logp_BxY[b])
             best = _best_paths(np.asarray(logp[b]), topk, n)
             np.testing.assert_allclose(got[: len(best)], best, atol=1e-5)
             assert np.all(got[len(best) :] == NO_NODE)  # topk 1: only K − 1 nodes exist
             assert np.all(np.diff(got) <= 0)  # best first: a prefix is the best smaller tree
-            parent, depth = np.asarray(tree.parent_BxN[b]), np.asarray(tree.depth_BxN[b])
+            parent, depth = np.asarray(tree.parent_BxY[b]), np.asarray(tree.depth_BxY[b])
             for i in range(len(best)):  # node i is verify token i + 1; parents come first
                 assert parent[i] <= i and depth[i] == (
                     1 if parent[i] == 0 else depth[parent[i] - 1] + 1
                 )
-                path_logp = float(logp[b, depth[i] - 1, tree.tokens_BxN[b, i]])
+                path_logp = float(logp[b, depth[i] - 1, tree.tokens_BxY[b, i]])
                 above = 0.0 if parent[i] == 0 else got[parent[i] - 1]
                 assert got[i] == pytest.approx(above + path_logp, abs=1e-5)
 

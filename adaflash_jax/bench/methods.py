@@ -8,6 +8,8 @@ import ast
 import dataclasses
 from typing import Any
 
+from adaflash_jax.decode.tree import TreeShape
+
 DEFAULT_METHODS = (
     "plain",
     "stage1:fixed",
@@ -15,8 +17,8 @@ DEFAULT_METHODS = (
     "adaflash:adaflash",
     "adaflash:goodput",
 )
-POLICIES = ("fixed", "adaflash", "goodput")
-ENGINE_OPTIONS = ("verify",)  # method options for the engine, not the policy
+POLICIES = ("fixed", "adaflash", "goodput", "tree-batch")
+ENGINE_OPTIONS = ("verify", "tree")  # method options for the engine, not the policy
 
 
 class BenchError(ValueError):
@@ -33,7 +35,11 @@ class Method:
 
     @property
     def engine_options(self) -> dict:
-        return {k: v for k, v in self.options if k in ENGINE_OPTIONS}
+        """`tree=TOPKxNODES` as a `TreeShape` (its verify is packed)."""
+        out = {k: v for k, v in self.options if k in ENGINE_OPTIONS}
+        if "tree" in out:
+            out["tree"] = TreeShape.parse(out["tree"])
+        return out
 
     @property
     def policy_options(self) -> dict:
@@ -44,6 +50,10 @@ class Method:
             raise BenchError("a method is plain (no drafter, no policy) or drafter:policy")
         if self.policy is not None and self.policy not in POLICIES:
             raise BenchError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
+        try:
+            self.engine_options  # noqa: B018 (a tree that does not parse is refused here)
+        except ValueError as e:
+            raise BenchError(f"method {self.label}: {e}") from None
 
     @property
     def label(self) -> str:
@@ -55,8 +65,9 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """'plain', 'stage1:fixed', 'adaflash:goodput', 'adaflash:adaflash:threshold=0,rate=1.3',
-    'adaflash:adaflash:verify=packed' (`ENGINE_OPTIONS` go to the engine); options may also
-    be joined by '+', which a comma-separated method list keeps whole."""
+    'adaflash:adaflash:verify=packed', 'adaflash:fixed:tree=2x16' (a per-row node budget),
+    'adaflash:tree-batch:tree=2x32,mean_nodes=8' (`ENGINE_OPTIONS` go to the engine);
+    options may also be joined by '+', which a comma-separated method list keeps whole."""
     parts = text.strip().split(":")
     if parts == ["plain"]:
         return Method()

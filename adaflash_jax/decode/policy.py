@@ -58,7 +58,7 @@ class Draft:
     buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
     token_buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
     # a draft tree per row (`decode/tree.py`; None: chains): a width is then the row's root
-    # and its first w − 1 nodes, within [1, N + 1]
+    # and its first w − 1 nodes, within [1, Y + 1]
     tree: Tree | None = None
 
     @property
@@ -67,8 +67,8 @@ class Draft:
 
     @property
     def row_width(self) -> int:
-        """The most tokens a row may verify: K, or a tree's N + 1."""
-        return self.block_size if self.tree is None else self.tree.tokens_BxN.shape[1] + 1
+        """The most tokens a row may verify: K, or a tree's Y + 1."""
+        return self.block_size if self.tree is None else self.tree.tokens_BxY.shape[1] + 1
 
 
 @struct.dataclass
@@ -203,12 +203,12 @@ class TreeBatchPolicy(Stateless):
             )
 
     def widths(self, draft: Draft, state):
-        logp_BxN = draft.tree.logp_BxN
-        b, n = logp_BxN.shape
+        logp_BxY = draft.tree.logp_BxY
+        b, n = logp_BxY.shape
         budget = jnp.floor(self.mean_nodes * draft.num_running).astype(jnp.int32)
-        live_BxN = (logp_BxN > NO_NODE / 2) & draft.active_B[:, None]
-        score_P = jnp.where(live_BxN, logp_BxN, NO_NODE).reshape(-1)
+        live_BxY = (logp_BxY > NO_NODE / 2) & draft.active_B[:, None]
+        score_P = jnp.where(live_BxY, logp_BxY, NO_NODE).reshape(-1)
         order_P = jnp.argsort(-score_P, stable=True)  # ties: the earlier row, then node
         rank_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(b * n, dtype=order_P.dtype))
-        taken_BxN = (rank_P < budget).reshape(b, n) & live_BxN
-        return 1 + jnp.sum(taken_BxN.astype(jnp.int32), axis=1), state
+        taken_BxY = (rank_P < budget).reshape(b, n) & live_BxY
+        return 1 + jnp.sum(taken_BxY.astype(jnp.int32), axis=1), state

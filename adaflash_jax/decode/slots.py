@@ -93,9 +93,10 @@ def token_bucket_set(slots: int, buckets: Sequence[int], fills=DEFAULT_ROW_FILLS
 class SpeculativeEngine:
     """Speculative (or, with `drafter=None`, plain) decoding over `slots` continuous-batching
     slots. One compiled loop program per (slots, bucket set, policy, sampling mode). With
-    `rows` the slots' state is split over those mesh axes (`sharding.rows`). `verify`:
-    "padded" runs every row at the bucket of the widest request, "packed" only each row's
-    own tokens, padded to a token bucket (`token_buckets`, default `token_bucket_set`).
+    `rows` the slots' state is split over those mesh axes (`sharding.rows`). `verify`
+    (default: packed for a tree, else padded): "padded" runs every row at the bucket of the
+    widest request, "packed" only each row's own tokens, padded to a token bucket
+    (`token_buckets`, default `token_bucket_set`).
     `pending_steps`: the undrafted steps whose drafter-context entries one batched pass
     commits (`undrafted.py`; only a policy that may skip drafting runs them). `tree`: each
     row verifies a draft tree of that shape instead of a chain (`tree.py`; packed verify,
@@ -117,12 +118,13 @@ class SpeculativeEngine:
         eos_ids: Sequence[int] | None = None,
         acceptance: Callable | None = None,
         rows: RowLayout | None = None,
-        verify: str = "padded",
+        verify: str | None = None,
         token_buckets: Sequence[int] | None = None,
         pending_steps: int = 32,
         tree: TreeShape | None = None,
     ):
         cfg = target.config
+        verify = verify or ("packed" if tree is not None else "padded")
         if verify not in VERIFY_LAYOUTS:
             raise EngineError(f"verify must be one of {VERIFY_LAYOUTS}, got {verify!r}")
         if slots < 1:

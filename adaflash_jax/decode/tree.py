@@ -1,14 +1,15 @@
 """Draft trees from one block pass, and the walk that accepts along them (docs/design.md §5.6).
 
-Dimensions: B slots, K block size, V vocab, C top candidates per position (`TreeShape.topk`),
-N tree nodes per row (`TreeShape.nodes`), W = N + 1 a row's verify tokens (the root: its
-bonus token, then its nodes), Q candidate slots of the selection (2N + 1).
+Dimensions: B slots, K block size, V vocab, Kc top candidates per position
+(`TreeShape.topk`), Y tree nodes per row (`TreeShape.nodes`), W = Y + 1 a row's verify
+tokens (the root: its bonus token, then its nodes), Yq candidate slots of the selection
+(2Y + 1).
 
 A DFlash block pass gives one distribution per draft position d = 1..K−1, and none depends
-on the tokens drafted before it. So the candidates for a node at depth d are the C most
+on the tokens drafted before it. So the candidates for a node at depth d are the Kc most
 likely tokens of position d, whatever its parent, and a node's path probability is the
 product of its path's per-position probabilities (the surrogate for the chance the target
-accepts the whole path). `build` selects the N nodes of largest path probability best-first
+accepts the whole path). `build` selects the Y nodes of largest path probability best-first
 (DDTree): each selected node offers two candidates, its first child (the best token one
 position deeper) and its next sibling (its parent's next best token), so every node is
 offered exactly once and no candidate beats the node that offered it. The selection is
@@ -51,67 +52,78 @@ class TreeShape:
         """W: the root and the nodes."""
         return self.nodes + 1
 
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """'TOPKxNODES', e.g. '2x16': 2 candidates per position, 16 nodes a row."""
+        topk, sep, nodes = str(text).lower().partition("x")
+        if not (sep and topk.strip().isdigit() and nodes.strip().isdigit()):
+            raise ValueError(f"a tree is TOPKxNODES (e.g. 2x16), got {text!r}")
+        return cls(topk=int(topk), nodes=int(nodes))
+
+    def __str__(self) -> str:
+        return f"{self.topk}x{self.nodes}"
+
 
 @struct.dataclass
 class Tree:
     """Each row's selected nodes in selection order (node i of the row is verify token i + 1)."""
 
-    tokens_BxN: jax.Array  # int32 drafted token
-    parent_BxN: jax.Array  # int32 verify-token index of the parent (0: the root)
-    depth_BxN: jax.Array  # int32 in [1, K − 1]
-    logp_BxN: jax.Array  # float32 log path probability, non-increasing; NO_NODE: empty
+    tokens_BxY: jax.Array  # int32 drafted token
+    parent_BxY: jax.Array  # int32 verify-token index of the parent (0: the root)
+    depth_BxY: jax.Array  # int32 in [1, K − 1]
+    logp_BxY: jax.Array  # float32 log path probability, non-increasing; NO_NODE: empty
 
     @property
     def size_B(self) -> jax.Array:
-        """int32 [B]: the nodes selected (fewer than N where the candidates ran out)."""
-        return jnp.sum((self.logp_BxN > NO_NODE / 2).astype(jnp.int32), axis=1)
+        """int32 [B]: the nodes selected (fewer than Y where the candidates ran out)."""
+        return jnp.sum((self.logp_BxY > NO_NODE / 2).astype(jnp.int32), axis=1)
 
     def verify_tokens(self, bonus_B):
         """([B, W] the root then the nodes, [B, W] parents with the root its own)."""
-        tokens_BxW = jnp.concatenate([bonus_B[:, None], self.tokens_BxN], axis=1)
-        root_Bx1 = jnp.zeros_like(self.parent_BxN[:, :1])
-        return tokens_BxW, jnp.concatenate([root_Bx1, self.parent_BxN], axis=1)
+        tokens_BxW = jnp.concatenate([bonus_B[:, None], self.tokens_BxY], axis=1)
+        root_Bx1 = jnp.zeros_like(self.parent_BxY[:, :1])
+        return tokens_BxW, jnp.concatenate([root_Bx1, self.parent_BxY], axis=1)
 
 
 def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
-    """The N best nodes per row by path probability under the per-position log
-    probabilities `logp_BxKm1xV` (one selection per node, over at most 2N + 1 candidates)."""
+    """The Y best nodes per row by path probability under the per-position log
+    probabilities `logp_BxKm1xV` (one selection per node, over at most 2Y + 1 candidates)."""
     b, km1, _ = logp_BxKm1xV.shape
     c = min(shape.topk, logp_BxKm1xV.shape[-1])
     n, q = shape.nodes, 2 * shape.nodes + 1
-    top_logp_BxKm1xC, top_tok_BxKm1xC = jax.lax.top_k(logp_BxKm1xV.astype(jnp.float32), c)
+    top_logp_BxKm1xKc, top_tok_BxKm1xKc = jax.lax.top_k(logp_BxKm1xV.astype(jnp.float32), c)
     rows_B = jnp.arange(b)
 
     def at(d_B, r_B):  # the r-th best log probability at depth d (1-based)
-        return top_logp_BxKm1xC[rows_B, jnp.clip(d_B - 1, 0, km1 - 1), jnp.clip(r_B, 0, c - 1)]
+        return top_logp_BxKm1xKc[rows_B, jnp.clip(d_B - 1, 0, km1 - 1), jnp.clip(r_B, 0, c - 1)]
 
     ones_B = jnp.ones((b,), jnp.int32)
     cand = dict(  # the candidates: offered by a selected node, not yet taken
-        score_BxQ=jnp.full((b, q), NO_NODE, jnp.float32).at[:, 0].set(at(ones_B, 0 * ones_B)),
-        parent_BxQ=jnp.zeros((b, q), jnp.int32),
-        depth_BxQ=jnp.ones((b, q), jnp.int32),
-        rank_BxQ=jnp.zeros((b, q), jnp.int32),
+        score_BxYq=jnp.full((b, q), NO_NODE, jnp.float32).at[:, 0].set(at(ones_B, 0 * ones_B)),
+        parent_BxYq=jnp.zeros((b, q), jnp.int32),
+        depth_BxYq=jnp.ones((b, q), jnp.int32),
+        rank_BxYq=jnp.zeros((b, q), jnp.int32),
     )
     nodes = dict(
-        tokens_BxN=jnp.zeros((b, n), jnp.int32),
-        parent_BxN=jnp.zeros((b, n), jnp.int32),
-        depth_BxN=jnp.ones((b, n), jnp.int32),
-        logp_BxN=jnp.full((b, n), NO_NODE, jnp.float32),
+        tokens_BxY=jnp.zeros((b, n), jnp.int32),
+        parent_BxY=jnp.zeros((b, n), jnp.int32),
+        depth_BxY=jnp.ones((b, n), jnp.int32),
+        logp_BxY=jnp.full((b, n), NO_NODE, jnp.float32),
     )
 
     def select(i, carry):
         cand, nodes = carry
-        best_B = jnp.argmax(cand["score_BxQ"], axis=1)
-        score_B = cand["score_BxQ"][rows_B, best_B]
+        best_B = jnp.argmax(cand["score_BxYq"], axis=1)
+        score_B = cand["score_BxYq"][rows_B, best_B]
         live_B = score_B > NO_NODE / 2
-        parent_B, depth_B = cand["parent_BxQ"][rows_B, best_B], cand["depth_BxQ"][rows_B, best_B]
-        rank_B = cand["rank_BxQ"][rows_B, best_B]
-        token_B = top_tok_BxKm1xC[rows_B, depth_B - 1, rank_B].astype(jnp.int32)
+        parent_B, depth_B = cand["parent_BxYq"][rows_B, best_B], cand["depth_BxYq"][rows_B, best_B]
+        rank_B = cand["rank_BxYq"][rows_B, best_B]
+        token_B = top_tok_BxKm1xKc[rows_B, depth_B - 1, rank_B].astype(jnp.int32)
         nodes = dict(
-            tokens_BxN=nodes["tokens_BxN"].at[:, i].set(token_B),
-            parent_BxN=nodes["parent_BxN"].at[:, i].set(parent_B),
-            depth_BxN=nodes["depth_BxN"].at[:, i].set(depth_B),
-            logp_BxN=nodes["logp_BxN"].at[:, i].set(jnp.where(live_B, score_B, NO_NODE)),
+            tokens_BxY=nodes["tokens_BxY"].at[:, i].set(token_B),
+            parent_BxY=nodes["parent_BxY"].at[:, i].set(parent_B),
+            depth_BxY=nodes["depth_BxY"].at[:, i].set(depth_B),
+            logp_BxY=nodes["logp_BxY"].at[:, i].set(jnp.where(live_B, score_B, NO_NODE)),
         )
         # the node (verify token i + 1) offers its first child and its next sibling
         child_ok_B = live_B & (depth_B < km1)
@@ -122,15 +134,22 @@ def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
             (2 * i + 1, jnp.where(child_ok_B, child_B, NO_NODE), i + 1, depth_B + 1, 0 * rank_B),
             (2 * i + 2, jnp.where(sibling_ok_B, sibling_B, NO_NODE), parent_B, depth_B, rank_B + 1),
         )
-        score_BxQ = cand["score_BxQ"].at[rows_B, best_B].set(NO_NODE)
-        parent_BxQ, depth_BxQ, rank_BxQ = cand["parent_BxQ"], cand["depth_BxQ"], cand["rank_BxQ"]
+        score_BxYq = cand["score_BxYq"].at[rows_B, best_B].set(NO_NODE)
+        parent_BxYq, depth_BxYq, rank_BxYq = (
+            cand["parent_BxYq"],
+            cand["depth_BxYq"],
+            cand["rank_BxYq"],
+        )
         for slot, s_B, p_B, d_B, r_B in offers:
-            score_BxQ = score_BxQ.at[:, slot].set(s_B)
-            parent_BxQ = parent_BxQ.at[:, slot].set(p_B)
-            depth_BxQ = depth_BxQ.at[:, slot].set(d_B)
-            rank_BxQ = rank_BxQ.at[:, slot].set(r_B)
+            score_BxYq = score_BxYq.at[:, slot].set(s_B)
+            parent_BxYq = parent_BxYq.at[:, slot].set(p_B)
+            depth_BxYq = depth_BxYq.at[:, slot].set(d_B)
+            rank_BxYq = rank_BxYq.at[:, slot].set(r_B)
         cand = dict(
-            score_BxQ=score_BxQ, parent_BxQ=parent_BxQ, depth_BxQ=depth_BxQ, rank_BxQ=rank_BxQ
+            score_BxYq=score_BxYq,
+            parent_BxYq=parent_BxYq,
+            depth_BxYq=depth_BxYq,
+            rank_BxYq=rank_BxYq,
         )
         return cand, nodes
 

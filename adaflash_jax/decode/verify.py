@@ -19,7 +19,7 @@ step commits them after the switch. A hybrid target's Gated DeltaNet layers retu
 per-token recurrence inputs as entries, padded the same way: the commit replays each row's
 accepted prefix of them, so the state ends at the row's own accepted length.
 
-A draft tree (`EngineSpec.tree`, packed only) verifies each row's root and nodes (W = N + 1
+A draft tree (`EngineSpec.tree`, packed only) verifies each row's root and nodes (W = Y + 1
 row layout, `decode/tree.py`) under the ancestor mask, and accepts by walking the tree; the
 branch returns the walked path too. The target's entries are committed along it
 (`Cache.commit(..., path_BxZ)`); the drafter context's are computed from the path's features
@@ -99,7 +99,7 @@ def _branch(
 
 def verify(target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key):
     """Verifies each row's first `width_B[b]` tokens of `tokens_BxW` (a chain [B, K], or
-    with `parent_BxW` a tree [B, N + 1]). Returns (accepted_B, bonus_B, the accepted path
+    with `parent_BxW` a tree [B, Y + 1]). Returns (accepted_B, bonus_B, the accepted path
     [B, K] of token indices (None: a chain's prefix), the target's per-layer entries of the
     verified tokens [B, W, ...] and the drafter context's of the committable ones [B, K, ...]
     with zeros past a row's tokens, and the bucket: W padded, M packed)."""
