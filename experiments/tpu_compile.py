@@ -5,6 +5,7 @@ compiler's estimates (FLOPs, step time, MFU, decode step against the weight-read
   python -m experiments.tpu_compile --config C --topology v5e-8 --serve --cost-table T.json
   python -m experiments.tpu_compile --config C --topology v5p-8 --serve --dense-twin  # hybrid C
   python -m experiments.tpu_compile --config C --topology v5e-8 --serve --rows 1 --no-msa
+  python -m experiments.tpu_compile --config C --topology v5e-8 --serve --fills 8 --trees 4x7,4x15
 
 Needs libtpu: `pip install "jax[tpu]==<jax version>"` (the test extras install it). --serve
 compiles decoding with tensor-parallel weights over the whole slice instead of the run's
@@ -22,7 +23,7 @@ import argparse
 import os
 import sys
 
-from adaflash_jax.cli import int_list
+from adaflash_jax.cli import int_list, tree_shape
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "tiny.py")
 
@@ -46,6 +47,12 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=int, default=1024, help="--serve cache capacity")
     p.add_argument(
         "--fills", type=int_list, default=(), help="--serve: packed verify at token buckets rows·f"
+    )
+    p.add_argument(
+        "--trees",
+        type=lambda t: tuple(tree_shape(x) for x in t.split(",") if x.strip()),
+        default=(),
+        help="--serve: draft-tree steps, TOPKxNODES list (every row its whole tree)",
     )
     p.add_argument(
         "--dense-twin",
@@ -92,6 +99,7 @@ def compile_and_report(args) -> int:
         figs, data = session.compile_serve(
             cfg, sl, rows=args.rows, capacity=args.capacity, widths=args.widths,
             overrides=sets, twin=args.dense_twin, fills=args.fills, no_msa=args.no_msa,
+            trees=args.trees,
         )  # fmt: skip
     else:
         figs, data = session.compile_run(

@@ -254,3 +254,23 @@ def test_loss_loop_flops_complete_the_compilers_count(kind):
     four, left_four = total(n // 4)
     assert left_four == 1.5 * left_two > 0  # 3 quarter-bodies vs 1 half-body
     assert four == pytest.approx(two, rel=0.03)
+
+
+def test_cli_serve_compiles_tree_steps(tmp_path, capsys):
+    """--serve --trees: the drafted step with draft trees, every row its whole tree, beside
+    the packed chain step of the same tokens per row; a malformed tree is argparse's line."""
+    path = tmp_path / "serve.json"
+    argv = ["--topology", "v5e-8", "--serve", "--rows", "2", "--widths", "8", "--fills", "8"]
+    assert (
+        tpu_compile_cli.main([*argv, "--trees", "2x7", "--capacity", "128", "--json", str(path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| tree 2x7 B=2 |" in out and "| packed F=8 B=2 |" in out
+    programs = {p["program"]: p for p in json.loads(path.read_text())["programs"]}
+    tree, chain = programs["tree 2x7 B=2"], programs["packed F=8 B=2"]
+    assert tree["fits"] and tree["optimal_seconds"] > 0
+    assert tree["width"] == chain["width"] == 8  # the same verify tokens per row
+    with pytest.raises(SystemExit) as e:
+        tpu_compile_cli.main([*argv, "--trees", "7"])
+    assert e.value.code == 2 and "TOPKxNODES" in capsys.readouterr().err

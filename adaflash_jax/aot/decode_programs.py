@@ -99,7 +99,7 @@ def generate_programs(m: Models, *, batch: int, prompt_len: int, max_new: int) -
     ]
 
 
-def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: bool):
+def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: bool, tree=None):
     return SpeculativeEngine(
         m.target_module,
         m.drafter_module if drafted else None,
@@ -109,6 +109,7 @@ def _engine(m: Models, slots: int, capacity: int, temperature: float, drafted: b
         temperature=temperature,
         eos_ids=(0,),
         rows=m.rows(slots),
+        tree=tree,
     )
 
 
@@ -173,6 +174,19 @@ def packed_engine_programs(m: Models, *, slots: int, capacity: int, fills) -> li
         spec = dataclasses.replace(engine.spec, buckets=(f,), token_buckets=(slots * f,))
         p = _loop_program(m, engine, spec, f"packed F={f} B={slots}", f)
         out.append(dataclasses.replace(p, notes=(*p.notes, f"packed verify of {slots * f}")))
+    return out
+
+
+def tree_engine_programs(m: Models, *, slots: int, capacity: int, trees) -> list[Program]:
+    """The engine's drafted step with draft trees (docs/design.md §5.6), each `TreeShape`
+    pinned to token bucket slots·(Y + 1): every row verifies its whole tree."""
+    out = []
+    for tree in trees:
+        engine = _engine(m, slots, capacity, 0.0, drafted=True, tree=tree)
+        w = tree.row_width
+        spec = dataclasses.replace(engine.spec, token_buckets=(slots * w,))
+        p = _loop_program(m, engine, spec, f"tree {tree} B={slots}", w)
+        out.append(dataclasses.replace(p, notes=(*p.notes, f"tree verify of {slots * w}")))
     return out
 
 

@@ -87,10 +87,12 @@ def _noted(p: Program, note: str) -> Program:
 
 
 def serve_programs(
-    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None, target=None, fills=()
-) -> list[Program]:
+    cfg: RunConfig, mesh: Mesh, *, rows, capacity: int, widths=None, target=None, fills=(),
+    trees=(),
+) -> list[Program]:  # fmt: skip
     """Per row count: the plain step, the drafter forward, the drafted step per width > 1,
-    and under packed verify per fill > 1 (`fills`: mean tokens per row of a token bucket)."""
+    under packed verify per fill > 1 (`fills`: mean tokens per row of a token bucket), and
+    per draft tree (`trees`: `TreeShape`s, every row its whole tree)."""
     target = target or run_target(cfg)
     m = dp.models(
         target, run_drafter(cfg, target), mesh, DECODE_RULES, dtype=jnp.bfloat16,
@@ -105,6 +107,7 @@ def serve_programs(
         out += dp.engine_programs(m, slots=b, capacity=capacity, widths=widths)
         fills_b = [f for f in fills if f > 1]
         out += dp.packed_engine_programs(m, slots=b, capacity=capacity, fills=fills_b)
+        out += dp.tree_engine_programs(m, slots=b, capacity=capacity, trees=trees)
     return out
 
 

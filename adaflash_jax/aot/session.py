@@ -82,7 +82,7 @@ def compile_run(
 
 def compile_serve(
     cfg: RunConfig, sl: Slice, *, rows, capacity: int, widths=None, overrides=None,
-    log=None, twin: bool = False, fills=(), no_msa: bool = False,
+    log=None, twin: bool = False, fills=(), no_msa: bool = False, trees=(),
 ):  # fmt: skip
     """Decoding with the weights split over all chips (mesh (1, 1, chips), DECODE_RULES:
     a dimension the tensor axis does not divide stays whole), bf16 target and drafter.
@@ -95,7 +95,7 @@ def compile_serve(
     shape = (1, 1, sl.chips)
     progs = P.serve_programs(
         cfg, _mesh(sl, shape), rows=rows, capacity=capacity, widths=widths, target=target,
-        fills=fills,
+        fills=fills, trees=trees,
     )  # fmt: skip
     figs = _compile_all(progs, sl, log, no_msa)
     meta = _meta(cfg, sl, shape, "serve", overrides or {})
