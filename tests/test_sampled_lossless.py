@@ -88,15 +88,14 @@ def _speculative(models, **kw):
 
 
 @pytest.mark.parametrize(
-    "accept_fn,lossless",
-    [(None, True), (always_accept, False)],
-    ids=["rejection", "biased"],
+    "models,accept_fn,lossless",
+    [("dense", None, True), ("hybrid", None, True), ("dense", always_accept, False)],
+    ids=["rejection-dense", "rejection-hybrid", "biased-dense"],  # biased: the test's power
+    indirect=["models"],
 )
 def test_sampling_matches_plain_and_catches_a_biased_rule(
     models, plain_counts, accept_fn, lossless
 ):
-    if not lossless and models[0].config.is_hybrid:
-        pytest.skip("the biased rule checks the test's power, shown on the dense target")
     outputs, results = _speculative(models, buckets=(4,), acceptance=accept_fn)
     p = chi_square_p(plain_counts, _counts(outputs))
     if lossless:
@@ -121,21 +120,25 @@ GOODPUT_TABLE = VerifyCostTable(
 SKIP_TABLE = dataclasses.replace(GOODPUT_TABLE, draft_ms=(12.0, 12.0))
 
 
+POLICY_CASES = {
+    "adaflash": (AdaFlashPolicy(threshold=0), "padded"),
+    "goodput": (GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False), "padded"),
+    "goodput-skip-probing": (GoodputPolicy(cost=SKIP_TABLE, probe_every=2), "padded"),
+    # asked between runs of undrafted steps: a 2-step buffer (pending_steps) ends each
+    "mixed": (DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE), n=2), "padded"),
+}
+
+
 @pytest.mark.parametrize(
-    "policy,verify",
-    [
-        (AdaFlashPolicy(threshold=0), "padded"),
-        (AdaFlashPolicy(threshold=0), "packed"),  # each row verifies its own tokens only
-        (GoodputPolicy(cost=GOODPUT_TABLE, skip_draft=False), "padded"),
-        (GoodputPolicy(cost=SKIP_TABLE, probe_every=2), "padded"),
-        # asked between runs of undrafted steps: a 2-step buffer (pending_steps) ends each
-        (DraftEveryNth(goodput=GoodputPolicy(cost=SKIP_TABLE), n=2), "padded"),
-    ],
-    ids=["adaflash", "adaflash-packed", "goodput", "goodput-skip-probing", "mixed"],
+    "models,policy,verify",
+    [(m, *case) for m in ("dense", "hybrid") for case in POLICY_CASES.values()]
+    # packed: each row verifies its own tokens only; its sampled acceptance is layout-only
+    + [("dense", AdaFlashPolicy(threshold=0), "packed")],
+    ids=[f"{name}-{m}" for m in ("dense", "hybrid") for name in POLICY_CASES]
+    + ["adaflash-packed-dense"],
+    indirect=["models"],
 )
 def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy, verify):
-    if verify == "packed" and models[0].config.is_hybrid:
-        pytest.skip("packing's sampled acceptance is layout-only: the dense target shows it")
     outputs, results = _speculative(
         models, buckets=(1, 2, 4), policy=policy, verify=verify, pending_steps=2
     )
@@ -154,8 +157,8 @@ def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy,
     "policy", [FixedPolicy(), TreeBatchPolicy(mean_nodes=2)], ids=["per-row", "batch"]
 )
 def test_tree_sampling_matches_plain(models, plain_counts, policy):
-    """Draft trees (top-2 candidates per position, 6 nodes a row): each verified token's
-    target draw picks the child to follow, so every committed token is a plain sample."""
+    """Draft trees (2 draws from q per position, 6 nodes a row): recursive rejection over a
+    node's children picks the child to follow, so every committed token is a plain sample."""
     outputs, results = _speculative(
         models, verify="packed", tree=TreeShape(topk=2, nodes=6), policy=policy
     )

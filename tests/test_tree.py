@@ -21,7 +21,7 @@ from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, TreeBatchPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
-from adaflash_jax.decode.tree import NO_NODE, TreeShape, build, walk
+from adaflash_jax.decode.tree import NO_NODE, TreeShape, build, top_candidates, walk
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.model.packing import Packing
 from adaflash_jax.model.presets import target_preset
@@ -51,7 +51,7 @@ def test_best_first_selection_is_the_best_tree():
     rng = np.random.default_rng(0)
     logp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 4, 7)) * 2.0), axis=-1)
     for topk, n in ((3, 10), (2, 5), (1, 6)):
-        tree = build(logp, TreeShape(topk=topk, nodes=n))
+        tree = build(*top_candidates(logp, topk), TreeShape(topk=topk, nodes=n))
         for b in range(3):
             got = np.asarray(tree.logp_BxY[b])
             best = _best_paths(np.asarray(logp[b]), topk, n)
@@ -227,9 +227,8 @@ def test_tree_greedy_is_plain_greedy(setup):
     assert compiled_programs() == warm
 
 
+@pytest.mark.parametrize("setup", ["test-hybrid"], indirect=True)  # recurrent states split too
 def test_tree_rows_split_over_eight_devices_decode_the_same(setup):
-    if not setup[0].config.is_hybrid:
-        pytest.skip("the hybrid (recurrent states split too) is enough here")
     _, plain, _ = setup
     rows = RowLayout.of(make_mesh(2, 4, 1), TRAIN_RULES, 8)
     engine = _engine(
@@ -238,9 +237,8 @@ def test_tree_rows_split_over_eight_devices_decode_the_same(setup):
     assert [r.output_ids for r in engine.generate(REQUESTS)] == plain
 
 
+@pytest.mark.parametrize("setup", ["test"], indirect=True)
 def test_what_a_tree_engine_cannot_honour_is_refused(setup):
-    if setup[0].config.is_hybrid or setup[0].config.num_experts:
-        pytest.skip("the dense target is enough here")
     with pytest.raises(EngineError, match="verify packed"):
         _engine(setup, TreeShape(topk=2, nodes=4), verify="padded")
     with pytest.raises(EngineError, match="sizes chains"):

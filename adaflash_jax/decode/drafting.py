@@ -38,9 +38,10 @@ class EngineDrafter(Protocol):
         """One block forward after each row's bonus token (at `cache.lengths`)."""
 
 
-def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
+def draft(target, drafter: EngineDrafter, s, spec, key=None) -> Draft:
     """One drafter forward after each row's bonus token, as the policy sees it: block states,
-    draft logits and the head outputs the policy reads, never sampled drafts."""
+    draft logits and the head outputs the policy reads, never a chain's sampled drafts; with
+    `spec.tree` the rows' trees (sampled candidates drawn with `key`)."""
     d = drafter.draft(s.context_cache, s.bonus_B, target.embedding_VxD(), target.lm_head_DxV())
     hidden_BxKxD = jax.lax.stop_gradient(d.hidden_BxKxD)
     logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
@@ -58,18 +59,27 @@ def draft(target, drafter: EngineDrafter, s, spec) -> Draft:
         num_running=jnp.sum(active_B.astype(jnp.int32)),
         buckets=spec.buckets,
         token_buckets=spec.token_buckets,
-        tree=None
-        if spec.tree is None
-        else tree.build(surrogate(logits_BxKm1xV, s, spec), spec.tree),
+        tree=None if spec.tree is None else draft_tree(key, logits_BxKm1xV, s, spec),
     )
 
 
-def surrogate(logits_BxKm1xV, s, spec):
-    """The per-position log probabilities a tree ranks paths by: the drafter's distribution
-    at the sampling temperature (at temperature 1 when greedy: the one-hot limit would rank
-    nothing)."""
-    temp = 1.0 if spec.greedy else jnp.where(s.temperature > 0, s.temperature, 1.0)
-    return jax.nn.log_softmax(logits_BxKm1xV / temp, axis=-1)
+def draft_tree(key, logits_BxKm1xV, s, spec) -> tree.Tree:
+    """Greedy: each position's top-k by the drafter's distribution at temperature 1 (the
+    one-hot limit would rank nothing). Sampled: k draws without replacement from the
+    distribution drafts are sampled from (`draft_probs`), which the walk's rejection reads."""
+    k = spec.tree.topk
+    if spec.greedy:
+        scores, tokens = tree.top_candidates(jax.nn.log_softmax(logits_BxKm1xV, axis=-1), k)
+    else:
+        scores, tokens = tree.sampled_candidates(key, draft_probs(logits_BxKm1xV, s, spec), k)
+    return tree.build(scores, tokens, spec.tree)
+
+
+def draft_probs(logits_BxKm1xV, s, spec):
+    """q [B, K−1, V]: the drafter's distribution at the sampling temperature and top-p."""
+    b, km1, v = logits_BxKm1xV.shape
+    q = logits_to_probs(logits_BxKm1xV.reshape(b * km1, v), s.temperature, spec.top_p(s))
+    return q.reshape(b, km1, v)
 
 
 def sample_drafts(key, logits_BxKm1xV, s, spec):
@@ -77,8 +87,6 @@ def sample_drafts(key, logits_BxKm1xV, s, spec):
     (None when greedy: the argmax)."""
     if spec.greedy:
         return jnp.argmax(logits_BxKm1xV, axis=-1).astype(jnp.int32), None
-    b, km1, v = logits_BxKm1xV.shape
-    q = logits_to_probs(logits_BxKm1xV.reshape(b * km1, v), s.temperature, spec.top_p(s))
-    q_BxKm1xV = q.reshape(b, km1, v)
+    q_BxKm1xV = draft_probs(logits_BxKm1xV, s, spec)
     drafts_BxKm1 = jax.random.categorical(key, jnp.log(q_BxKm1xV), axis=-1).astype(jnp.int32)
     return drafts_BxKm1, q_BxKm1xV

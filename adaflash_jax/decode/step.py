@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.decode.drafting import draft, sample_drafts
+from adaflash_jax.decode.drafting import draft, draft_probs, sample_drafts
 from adaflash_jax.decode.policy import Outcome
 from adaflash_jax.decode.state import EngineSpec, SpecState
 from adaflash_jax.decode.tokens import append_tokens, pick_tokens
@@ -48,21 +48,23 @@ def drafted_step(target, drafter, s: SpecState, spec: EngineSpec) -> SpecState:
     verify trees (`decode/tree.py`) and commit the path their walk accepted."""
     active_B = ~s.done_B
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
-    d = draft(target, drafter, s, spec)
+    d = draft(target, drafter, s, spec, key_draft)
     width_B, policy_state = spec.policy.widths(d, s.policy_state)
     if d.tree is None:
         width_B = jnp.clip(width_B, 1, spec.buckets[-1])
         drafts_BxKm1, q_BxKm1xV = sample_drafts(key_draft, d.logits_BxKm1xV, s, spec)
         tokens_BxW = jnp.concatenate([s.bonus_B[:, None], drafts_BxKm1], axis=1)
         parent_BxW = None
-    else:  # a tree's nodes are the drafter's top candidates: nothing is sampled
+    else:  # the tree's candidates came with the draft (drawn from q when sampling)
         width_B = jnp.clip(width_B, 1, 1 + d.tree.size_B)
         tokens_BxW, parent_BxW = d.tree.verify_tokens(s.bonus_B)
-        q_BxKm1xV = None
+        q_BxKm1xV = None if spec.greedy else draft_probs(d.logits_BxKm1xV, s, spec)
     width_B = jnp.where(active_B, width_B, 0).astype(jnp.int32)
+    candidates = None if d.tree is None else d.tree.candidates_BxKm1xKc
     accepted_B, bonus_B, path_BxZ, target_entries, context_entries, bucket = verify(
-        target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key_accept
-    )
+        target, drafter, s, spec, tokens_BxW, (parent_BxW, candidates), q_BxKm1xV, width_B,
+        key_accept,
+    )  # fmt: skip
     accepted_B = jnp.where(active_B, accepted_B, 0)
     j_K = jnp.arange(spec.block_size, dtype=jnp.int32)[None, :]
     walked_BxK = tokens_BxW if path_BxZ is None else jnp.take_along_axis(tokens_BxW, path_BxZ, 1)

@@ -18,11 +18,14 @@ first n nodes of a row are its best tree of n nodes, which is what a policy's bu
 
 A row's tree is packed with parent indices into its verify tokens (the root is token 0), so
 a node's position is the row's length plus its depth (`model/packing.py` builds the ancestor
-mask from them). `walk` accepts: each verified token has a target token (the argmax, or a
-draw from the target's distribution there); from the root, the walk moves to the child whose
-token is the target token of where it stands, while there is one; the target token where it
-stops is the new bonus. Each committed token is then the target's own choice given the
-committed ones before it, which is plain decoding: lossless, greedy or sampled.
+mask from them). `walk` accepts: each verified token has a target choice; from the root, the
+walk moves to the child whose token is the choice where it stands, while there is one; the
+choice where it stops is the new bonus. Greedy, the candidates are each position's top Kc
+(`top_candidates`) and the choice is the target's argmax. Sampled, the candidates are Kc
+draws without replacement from the drafter's q (`sampled_candidates`) and the choice is
+recursive rejection over the node's children (`recursive_choice`), distributed as the
+target's p. Either way each committed token is the target's own choice given the committed
+ones before it, which is plain decoding: lossless.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Tree:
     parent_BxY: jax.Array  # int32 verify-token index of the parent (0: the root)
     depth_BxY: jax.Array  # int32 in [1, K − 1]
     logp_BxY: jax.Array  # float32 log path probability, non-increasing; NO_NODE: empty
+    candidates_BxKm1xKc: jax.Array  # int32 each position's candidates, in verify order: a
+    # node's children are the first of its children's position, in this order
 
     @property
     def size_B(self) -> jax.Array:
@@ -85,16 +90,38 @@ class Tree:
         return tokens_BxW, jnp.concatenate([root_Bx1, self.parent_BxY], axis=1)
 
 
-def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
-    """The Y best nodes per row by path probability under the per-position log
-    probabilities `logp_BxKm1xV` (one selection per node, over at most 2Y + 1 candidates)."""
-    b, km1, _ = logp_BxKm1xV.shape
-    c = min(shape.topk, logp_BxKm1xV.shape[-1])
+def top_candidates(logp_BxKm1xV, topk: int):
+    """Greedy trees' candidates: per position the `topk` most likely tokens, best first, and
+    their log probabilities (the scores)."""
+    scores, tokens = jax.lax.top_k(logp_BxKm1xV.astype(jnp.float32), topk)
+    return scores, tokens.astype(jnp.int32)
+
+
+def sampled_candidates(key, q_BxKm1xV, topk: int):
+    """Sampled trees' candidates: per position `topk` draws without replacement from q (the
+    Gumbel top-k, in draw order: what `recursive_choice` verifies them in). Their scores are
+    q's own top-k probabilities, which do not depend on the draws: the tree's shape (which
+    ranks are verified) must not, or a rejection's residual would no longer be what the next
+    draw is checked against. A rank q cannot fill (fewer tokens with mass, e.g. outside the
+    nucleus) has no candidate (NO_NODE)."""
+    log_q = jnp.log(q_BxKm1xV.astype(jnp.float32))
+    gumbel = jax.random.gumbel(key, log_q.shape, jnp.float32)
+    _, tokens = jax.lax.top_k(jnp.where(jnp.isfinite(log_q), log_q + gumbel, -jnp.inf), topk)
+    top, _ = jax.lax.top_k(log_q, topk)
+    scores = jnp.where(jnp.isfinite(top), top, NO_NODE)
+    return scores, tokens.astype(jnp.int32)
+
+
+def build(scores_BxKm1xKc, tokens_BxKm1xKc, shape: TreeShape) -> Tree:
+    """The Y best nodes per row by path score, a candidate's score being its position's
+    log-probability estimate (`top_candidates`, `sampled_candidates`: non-increasing along
+    the candidates of a position); one selection per node over at most 2Y + 1 candidates."""
+    b, km1, c = scores_BxKm1xKc.shape
     n, q = shape.nodes, 2 * shape.nodes + 1
-    top_logp_BxKm1xKc, top_tok_BxKm1xKc = jax.lax.top_k(logp_BxKm1xV.astype(jnp.float32), c)
+    top_logp_BxKm1xKc, top_tok_BxKm1xKc = scores_BxKm1xKc, tokens_BxKm1xKc
     rows_B = jnp.arange(b)
 
-    def at(d_B, r_B):  # the r-th best log probability at depth d (1-based)
+    def at(d_B, r_B):  # the r-th candidate's score at depth d (1-based)
         return top_logp_BxKm1xKc[rows_B, jnp.clip(d_B - 1, 0, km1 - 1), jnp.clip(r_B, 0, c - 1)]
 
     ones_B = jnp.ones((b,), jnp.int32)
@@ -115,7 +142,7 @@ def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
         cand, nodes = carry
         best_B = jnp.argmax(cand["score_BxYq"], axis=1)
         score_B = cand["score_BxYq"][rows_B, best_B]
-        live_B = score_B > NO_NODE / 2
+        live_B = score_B > NO_NODE / 2  # a NO_NODE sum stays far below half of it
         parent_B, depth_B = cand["parent_BxYq"][rows_B, best_B], cand["depth_BxYq"][rows_B, best_B]
         rank_B = cand["rank_BxYq"][rows_B, best_B]
         token_B = top_tok_BxKm1xKc[rows_B, depth_B - 1, rank_B].astype(jnp.int32)
@@ -154,7 +181,7 @@ def build(logp_BxKm1xV, shape: TreeShape) -> Tree:
         return cand, nodes
 
     _, nodes = jax.lax.fori_loop(0, n, select, (cand, nodes))
-    return Tree(**nodes)
+    return Tree(**nodes, candidates_BxKm1xKc=top_tok_BxKm1xKc)
 
 
 def walk(tokens_BxW, parent_BxW, target_BxW, width_B, max_depth: int):
@@ -183,3 +210,42 @@ def walk(tokens_BxW, parent_BxW, target_BxW, width_B, max_depth: int):
     path_BxZ = jnp.stack(path, axis=1)
     accepted_B = jnp.sum((path_BxZ[:, 1:] != path_BxZ[:, :-1]).astype(jnp.int32), axis=1)
     return accepted_B, path_BxZ, target_BxW[rows_B, at_B]
+
+
+def children(parent_BxW, width_B) -> jax.Array:
+    """[B, W] int32: each verify token's children among the row's first `width_B[b]`."""
+    w = parent_BxW.shape[1]
+    j_W = jnp.arange(w, dtype=jnp.int32)
+    valid_BxW = (j_W[None] < width_B[:, None]) & (j_W[None] > 0)
+    child_BxWxW = valid_BxW[:, None, :] & (parent_BxW[:, None, :] == j_W[None, :, None])
+    return jnp.sum(child_BxWxW.astype(jnp.int32), axis=2)
+
+
+def recursive_choice(key, p_MxV, q_MxV, candidates_MxKc, children_M):
+    """The target's choice at each verify token of a sampled tree: its children (the first
+    `children_M` candidates, drawn from q without replacement, in draw order) are tried in
+    turn, each kept with probability min(1, p(c)/q(c)); after a rejection p becomes
+    norm(max(0, p − q)) and q loses the rejected token (renormalised: the next draw's law);
+    the first kept child is the choice, else a draw from the last p. Distributed as p
+    (docs/design.md §5.6), so the walk commits plain samples."""
+    m, c = candidates_MxKc.shape
+    keys = jax.random.split(key, c + 1)
+    chosen_M, done_M = jnp.zeros((m,), jnp.int32), jnp.zeros((m,), bool)
+    p, q = p_MxV, q_MxV
+    for r in range(c):
+        tok_M = candidates_MxKc[:, r]
+        p_c = jnp.take_along_axis(p, tok_M[:, None], axis=1)[:, 0]
+        q_c = jnp.take_along_axis(q, tok_M[:, None], axis=1)[:, 0]
+        tried_M = (r < children_M) & ~done_M
+        kept_M = tried_M & (jax.random.uniform(keys[r], (m,)) * q_c < p_c)
+        chosen_M = jnp.where(kept_M, tok_M, chosen_M)
+        done_M = done_M | kept_M
+        rejected_M = (tried_M & ~kept_M)[:, None]
+        residual = jnp.maximum(p - q, 0.0)
+        mass = jnp.sum(residual, axis=1, keepdims=True)
+        p = jnp.where(rejected_M & (mass > 1e-12), residual / jnp.maximum(mass, 1e-30), p)
+        q_left = q.at[jnp.arange(m), tok_M].set(0.0)
+        q_left = q_left / jnp.maximum(jnp.sum(q_left, axis=1, keepdims=True), 1e-30)
+        q = jnp.where(rejected_M, q_left, q)
+    bonus_M = jax.random.categorical(keys[c], jnp.log(p), axis=-1).astype(jnp.int32)
+    return jnp.where(done_M, chosen_M, bonus_M)

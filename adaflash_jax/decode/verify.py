@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decode.acceptance import accept
-from adaflash_jax.decode.tokens import pick_tokens
-from adaflash_jax.decode.tree import walk
+from adaflash_jax.decode.tokens import logits_to_probs, pick_tokens
+from adaflash_jax.decode.tree import children, recursive_choice, walk
 from adaflash_jax.model.cache import path_entries
 from adaflash_jax.model.packing import Packing, to_rows, to_tokens
 
@@ -48,10 +48,12 @@ def _pad_to(k: int, entries):
 
 
 def _branch(
-    target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key, size, target_cache
+    target, drafter, s, spec, tokens_BxW, tree_of, q_BxKm1xV, width_B, key, size, target_cache
 ):
     """One bucket's verify: `size` is its width W (padded) or its token count M (packed)."""
     b, w = tokens_BxW.shape
+    k = spec.block_size
+    parent_BxW, candidates_BxKm1xKc = tree_of
     if spec.packed:
         packing = Packing.create(width_B, tokens=size, row_width=w, parent_BxW=parent_BxW)
         tokens_MxT, layout = to_tokens(packing, tokens_BxW), packing
@@ -81,7 +83,17 @@ def _branch(
         )
         path_BxZ = None
     else:  # each token's target choice, then the walk; the context takes the path's features
-        choice_M = pick_tokens(key, logits_MxV, s.temperature, spec.top_p(s), greedy=spec.greedy)
+        if spec.greedy:
+            choice_M = pick_tokens(key, logits_MxV, s.temperature, greedy=True)
+        else:
+            at_M = jnp.minimum(packing.depth_BxW[packing.row_M, packing.col_M], k - 2)
+            choice_M = recursive_choice(
+                key,
+                logits_to_probs(logits_MxV, s.temperature, spec.top_p(s)),
+                q_BxKm1xV[packing.row_M, at_M],
+                candidates_BxKm1xKc[packing.row_M, at_M],
+                packing.pack(children(packing.parent_BxW, width_B)),
+            )
         choice_BxW = layout.unpack(choice_M)
         accepted_B, path_BxZ, bonus_B = walk(
             tokens_BxW, parent_BxW, choice_BxW, width_B, spec.block_size - 1
@@ -97,17 +109,19 @@ def _branch(
     )
 
 
-def verify(target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key):
-    """Verifies each row's first `width_B[b]` tokens of `tokens_BxW` (a chain [B, K], or
-    with `parent_BxW` a tree [B, Y + 1]). Returns (accepted_B, bonus_B, the accepted path
-    [B, K] of token indices (None: a chain's prefix), the target's per-layer entries of the
-    verified tokens [B, W, ...] and the drafter context's of the committable ones [B, K, ...]
-    with zeros past a row's tokens, and the bucket: W padded, M packed)."""
+def verify(target, drafter, s, spec, tokens_BxW, tree_of, q_BxKm1xV, width_B, key):
+    """Verifies each row's first `width_B[b]` tokens of `tokens_BxW`: a chain [B, K] (`tree_of`
+    (None, None)), or a tree [B, Y + 1] (`tree_of`: its parents [B, W] and its positions'
+    candidates [B, K − 1, Kc], which a sampled walk tries against q). Returns (accepted_B,
+    bonus_B, the accepted path [B, K] of token indices (None: a chain's prefix), the
+    target's per-layer entries of the verified tokens [B, W, ...] and the drafter context's
+    of the committable ones [B, K, ...] with zeros past a row's tokens, and the bucket: W
+    padded, M packed)."""
     sizes = spec.token_buckets if spec.packed else spec.buckets
     need = jnp.sum(width_B) if spec.packed else jnp.max(width_B)
     sizes_N = jnp.asarray(sizes, jnp.int32)
     bucket = jnp.sum((sizes_N < need).astype(jnp.int32))
     bucket = jnp.minimum(bucket, len(sizes) - 1)  # a spec pinned below K caps it
-    args = (target, drafter, s, spec, tokens_BxW, parent_BxW, q_BxKm1xV, width_B, key)
+    args = (target, drafter, s, spec, tokens_BxW, tree_of, q_BxKm1xV, width_B, key)
     branches = [functools.partial(_branch, *args, size) for size in sizes]
     return (*jax.lax.switch(bucket, branches, s.target_cache), sizes_N[bucket])
