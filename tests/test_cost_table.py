@@ -17,8 +17,9 @@ from adaflash_jax.bench import cost_model as cm
 from adaflash_jax.bench import step_cost
 from adaflash_jax.decode.build import build_engine
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
-from adaflash_jax.decode.policy import Draft, PolicyError, Slots
-from adaflash_jax.decode.slots import EngineError
+from adaflash_jax.decode.policy import Draft, FixedPolicy, PolicyError, Slots
+from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
+from adaflash_jax.decode.tree import TreeShape
 from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.cost_table import FORMAT, VerifyCostTable
@@ -97,6 +98,38 @@ def test_producer_decomposes_the_engine_steps(monkeypatch, models):
     assert VerifyCostTable.from_json(table.to_json()) == table
     assert table.switch_ms == pytest.approx(4.5)
     assert set(calls) == {1, 7}  # (capacity 64 − 2) // (2·K) steps fit the cache
+
+
+def test_tree_tables_time_the_tree_engine_at_fills_past_the_block(monkeypatch, models):
+    """With a tree the packed cases run the tree engine, each row verifying its root and
+    first fill − 1 nodes, at fills beyond K (a tree's rows are wider than a block); the
+    chain widths still time the chain engine. Goodput over that tree engine takes the table."""
+    shape = TreeShape(topk=2, nodes=5)
+    seen = []
+
+    def fake_loop_ms(engine, spec, *, steps, **_):
+        if spec.packed:
+            assert spec.tree == shape and engine.spec.tree == shape
+            (tokens,) = spec.token_buckets
+            assert spec.policy == FixedPolicy(width=tokens // engine.slots)
+            seen.append(tokens // engine.slots)
+            return 1.0 + steps * (2.0 + 0.5 * tokens)
+        assert spec.tree is None
+        return 1.0 + steps * (2.0 + spec.buckets[-1])
+
+    monkeypatch.setattr(step_cost, "_loop_ms", fake_loop_ms)
+    monkeypatch.setattr(step_cost, "_draft_ms", lambda engine, **_: 1.0)
+    target, drafter = models
+    table = step_cost.measure(
+        target, drafter, rows=(2,), capacity=64, buckets=(1, 2, 4), fills=(2, 3, 6), tree=shape
+    )
+    assert table.fills == (1, 2, 3, 6) and set(seen) == {2, 3, 6}
+    np.testing.assert_allclose(table.packed_ms[0][1:], [2.0 + 0.5 * 2 * f - 1.0 for f in (2, 3, 6)])
+    engine = SpeculativeEngine(
+        target, drafter, slots=2, capacity=64, buckets=(1, 2, 4), tree=shape,
+        token_buckets=(2, 4, 6, 12), policy=GoodputPolicy(cost=table),
+    )  # fmt: skip
+    assert engine.policy_slots.nodes == 5
 
 
 def test_producer_times_the_engine_and_the_projection_reads_it(tmp_path, models, capsys):

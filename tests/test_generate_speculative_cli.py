@@ -9,6 +9,10 @@ import re
 import pytest
 from flax import nnx
 
+from adaflash_jax.decode.slots import DEFAULT_BUCKETS, token_bucket_set
+from adaflash_jax.decode.state import bucket_set
+from adaflash_jax.decode.tree import TreeShape
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.checkpoint import save_target
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -42,7 +46,20 @@ def _rows(capsys, argv):
     return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
 
 
-def test_greedy_speculative_equals_plain(dirs, capsys):
+def _tree_cost_table(path, k: int, tree: str, slots: int) -> str:
+    """A synthetic cost table with the packed form at the tree engine's token buckets."""
+    shape = TreeShape.parse(tree)
+    widths = bucket_set(DEFAULT_BUCKETS, k)
+    fills = tuple(p // slots for p in token_bucket_set(slots, (shape.row_width,)))
+    VerifyCostTable(
+        rows=(slots,), widths=widths, verify_ms=(tuple(1.0 + 0.2 * w for w in widths),),
+        draft_ms=(0.3,), fills=fills, packed_ms=(tuple(1.0 + 0.2 * f for f in fills),),
+        device="synthetic",
+    ).save(path)  # fmt: skip
+    return str(path)
+
+
+def test_greedy_speculative_equals_plain(dirs, capsys, tmp_path):
     prompts = ["--prompt", "hello there", "--prompt-ids", "5,6,7,8,9,10,11", "--prompt", "x"]
     base = ["--target", dirs["target"], *prompts, "--max-new-tokens", "12", "--json"]
     plain = _rows(capsys, base)
@@ -64,7 +81,10 @@ def test_greedy_speculative_equals_plain(dirs, capsys):
     for tree in (
         ["--tree", "1x2"],
         ["--tree", "2x5", "--policy", "tree-batch", "--mean-nodes", "2"],
-    ):
+        # goodput fills the token bucket with the best nodes of both rows, or steps plainly
+        ["--tree", "2x5", "--policy", "goodput", "--cost-table",
+         _tree_cost_table(tmp_path / "tree_cost.json", 3, "2x5", 2)],
+    ):  # fmt: skip
         by_tree = _rows(capsys, base + spec_args + tree)  # draft trees: packed, walked
         assert [r["output_ids"] for r in by_tree] == [r["output_ids"] for r in plain]
     # a 1-wide tree of K − 1 = 2 nodes is the chain, step for step

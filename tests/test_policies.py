@@ -17,7 +17,8 @@ from adaflash_jax.decode.goodput.policy import (
     length_head_accept_probs,
 )
 from adaflash_jax.decode.policy import AdaFlashPolicy, Draft, FixedPolicy, PolicyError, Slots
-from adaflash_jax.decode.undrafted import probe_outcome
+from adaflash_jax.decode.tree import NO_NODE, Tree, TreeShape
+from adaflash_jax.decode.undrafted import chain_nodes, probe_outcome
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 K = 8
@@ -97,7 +98,7 @@ def test_goodput_follows_acceptance_and_cost():
 
 def test_expected_committed_formula():
     a = jnp.array([[1.0] * (K - 1), [0.0] * (K - 1), [0.5] * (K - 1)])
-    e = np.asarray(expected_committed(a, BUCKETS))
+    e = np.asarray(expected_committed(calibration.chain_survival(a), BUCKETS))
     np.testing.assert_allclose(e[0], [1, 2, 4, 8])
     np.testing.assert_allclose(e[1], [1, 1, 1, 1])
     np.testing.assert_allclose(e[2], [1, 1.5, 1.875, 1 + sum(0.5**i for i in range(1, 8))])
@@ -173,7 +174,8 @@ def test_entering_drafting_must_pay_for_the_switch():
         (0.6, True, False, True),
         (0.9, True, True, True),
     ):
-        state = whole.init(_slots(1)).replace(est_BxKm1=jnp.full((1, K - 1), a))
+        survive = calibration.chain_survival(jnp.full((1, K - 1), a))
+        state = whole.init(_slots(1)).replace(est_BxY=survive)
         assert drafts(whole, state, False) == stay, a
         assert drafts(whole, state, True) == enter, a
         assert bool(whole.drafting_gain(state, active, buckets=BUCKETS) > 1.0) == enter, a
@@ -207,7 +209,8 @@ def test_probe_interval_bounds_the_probe_overhead():
     loose = GoodputPolicy(cost=TABLE, probe_overhead=0.2)  # 0.3 / 0.2 = 1.5 → 2
     assert _interval(loose, 1) == 2
     # the interval the skip arm asks for: at the rows' drafting gain, or probe_every
-    state = policy.init(_slots(2)).replace(est_BxKm1=jnp.full((2, K - 1), 0.5))
+    survive = calibration.chain_survival(jnp.full((2, K - 1), 0.5))
+    state = policy.init(_slots(2)).replace(est_BxY=survive)
     active = jnp.ones((2,), bool)
     gain = policy.drafting_gain(state, active, buckets=BUCKETS)
     want = _interval(policy, 2, gain=float(gain))
@@ -217,13 +220,13 @@ def test_probe_interval_bounds_the_probe_overhead():
     # the answer the engine reads: that interval once the policy has seen a drafter forward,
     # a probe at once before any (a fresh state's prior is unset)
     ask = dict(undrafted=0, switching=True, buckets=BUCKETS)
-    learnt = state.replace(prior_Km1=jnp.full((K - 1,), 0.5))
+    learnt = state.replace(prior_Y=survive[0])
     assert int(every.speculate(learnt, active, **ask).probe_in) == 3
     assert int(every.speculate(state, active, **ask).probe_in) == 0
 
 
 def test_calibration_exponent_fits_the_realised_acceptance():
-    """a ↦ a^γ: the fitted γ* reproduces a count at the observed width (γ < 1 for an
+    """s ↦ s^γ: the fitted γ* reproduces a count at the observed width (γ < 1 for an
     under-confident estimator, > 1 for an over-confident one); an update moves each graded
     row's count part of the way to its outcome, and the engine's γ follows their mean."""
     est = jnp.array([[0.4, 0.4, 0.4], [0.9, 0.9, 0.9], [0.5, 0.5, 0.5]])
@@ -275,7 +278,7 @@ def test_a_probe_is_graded_against_the_tokens_committed_after_it():
     )
     drafts = jnp.array([[6, 7, 0], [7, 8, 9], [1, 2, 3], [6, 7, 8]])
     realised, width, graded = probe_outcome(
-        drafts,
+        *chain_nodes(drafts),
         jnp.array([1, 2, 2, 1]),
         jnp.array([True, True, True, False]),
         out,
@@ -285,6 +288,100 @@ def test_a_probe_is_graded_against_the_tokens_committed_after_it():
     assert width.tolist()[:3] == [4, 4, 1]
     assert graded.tolist() == [True, True, False, False]
     partial = probe_outcome(
-        drafts[:1], jnp.array([1]), jnp.array([True]), out[:1], jnp.array([2])
+        *chain_nodes(drafts[:1]), jnp.array([1]), jnp.array([True]), out[:1], jnp.array([2])
     )  # one position committed (6): one accepted over width 2
     assert [int(x[0]) for x in partial] == [1, 2, 1]
+
+
+def test_a_tree_probe_is_graded_by_walking_the_committed_tokens():
+    """A probe's tree is walked along the tokens committed since, over its nodes before the
+    first whose depth is not committed yet (the width); an empty node (depth K) ends them."""
+    # verify tokens: 0 root; 1: 6 (d1); 2: 4 (d1); 3: 7 under 1 (d2); 4: 9 under 2 (d2);
+    # 5: 3 under 3 (d3); 6: empty
+    tokens = jnp.array([[6, 4, 7, 9, 3, 0]] * 3)
+    parent = jnp.array([[0, 0, 1, 2, 3, 0]] * 3)
+    depth = jnp.array([[1, 1, 2, 2, 3, K]] * 3)
+    out = jnp.array(
+        [
+            [5, 6, 7, 3, -1, -1],  # probe at 1: 6 7 3 → 3 accepted over all 5 nodes
+            [5, 4, 9, 1, -1, -1],  # probe at 1: 4 9, then 1 (none) → 2 over 5 nodes
+            [5, 6, 8, -1, -1, -1],  # probe at 1: 2 committed: nodes 1-4 (depth <= 2), 6 → 1
+        ]
+    )
+    realised, width, graded = probe_outcome(
+        tokens, parent, depth, jnp.ones(3, jnp.int32), jnp.ones(3, bool), out,
+        jnp.array([4, 4, 3]),
+    )  # fmt: skip
+    assert realised.tolist() == [3, 2, 1]
+    assert width.tolist() == [6, 6, 5]
+    assert graded.tolist() == [True, True, True]
+
+
+def _tree_draft(logp_BxY, active):
+    b, y = logp_BxY.shape
+    tree = Tree(
+        tokens_BxY=jnp.zeros((b, y), jnp.int32),
+        parent_BxY=jnp.zeros((b, y), jnp.int32),
+        depth_BxY=jnp.ones((b, y), jnp.int32),
+        logp_BxY=jnp.asarray(logp_BxY, jnp.float32),
+        candidates_BxKm1xKc=jnp.zeros((b, K - 1, 2), jnp.int32),
+    )
+    return dataclasses.replace(
+        _input(b, active=active), tree=tree, token_buckets=tuple(b * f for f in PACKED_FILLS)
+    )
+
+
+PACKED_FILLS = (1, 2, 4, 8, 12)
+PACKED = dataclasses.replace(
+    TABLE,
+    fills=PACKED_FILLS,
+    packed_ms=tuple(
+        tuple(plain + (f - 1) * step for f in PACKED_FILLS)
+        for plain, step in zip((1.0, 1.2, 2.0), (0.01, 0.05, 0.4))
+    ),
+)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_goodput_fills_the_token_bucket_with_the_best_tree_nodes(seed):
+    """Over trees, goodput's widths are each row's first nodes (best first), the bucket and
+    split maximising Σ(1 + the taken nodes' path probabilities) / the packed step's ms, by
+    brute force over every bucket; an empty node is never taken, an inactive row takes none,
+    and hopeless rows at load make a plain-rate choice possible."""
+    rng = np.random.default_rng(seed)
+    b, y = 4, 11
+    steps = rng.uniform(0.02, 0.7, size=(b, y))
+    logp = np.cumsum(np.log(steps), axis=1)  # non-increasing path probabilities
+    logp[0, 8:] = NO_NODE  # row 0 has 8 nodes
+    active = np.array([True, True, rng.random() < 0.5, True])
+    policy = GoodputPolicy(cost=PACKED, skip_draft=False)
+    draft = _tree_draft(logp, active)
+    width = np.asarray(policy.widths(draft, policy.init(Slots(count=b, block_size=K)))[0])
+    n = int(active.sum())
+    surv = np.where(active[:, None], np.exp(np.maximum(logp, -1e4)), -1.0).reshape(-1)
+    best = None
+    for f in PACKED_FILLS:
+        budget = max(0, min(b * f - n, surv.size))
+        gain = n + np.sum(np.clip(np.sort(surv)[::-1][:budget], 0, None))
+        rate = gain / float(PACKED.packed_step_ms(n, (f,))[0])
+        if best is None or rate > best[0] + 1e-9:
+            best = (rate, budget)
+    taken = np.zeros((b, y), bool)
+    flat = np.argsort(-surv, kind="stable")[: best[1]]
+    taken.reshape(-1)[flat] = True
+    taken &= logp > NO_NODE / 2
+    np.testing.assert_array_equal(width, 1 + taken.sum(1))
+    assert width[0] <= 9 and (active | (width == 1)).all()
+
+
+def test_goodput_refuses_tree_estimators_it_cannot_score():
+    shape = TreeShape(topk=2, nodes=8)
+    with pytest.raises(PolicyError, match="path probability"):
+        GoodputPolicy(cost=PACKED, estimator="head").validate(
+            buckets=BUCKETS, has_length_head=True, fills=PACKED_FILLS, tree=shape
+        )
+    with pytest.raises(PolicyError, match="packed"):
+        GoodputPolicy(cost=PACKED).validate(buckets=BUCKETS, has_length_head=True, tree=shape)
+    GoodputPolicy(cost=PACKED).validate(
+        buckets=BUCKETS, has_length_head=False, fills=PACKED_FILLS, tree=shape
+    )

@@ -287,14 +287,14 @@ def test_a_probe_turns_drafting_back_on(target, bigram, reference):
     state = admit(engine.prefill(engine.init_state(0), [(0, PROMPTS[1], 30)]), engine.spec)
     # as if a drafter forward had just said drafting does not pay
     p = state.policy_state
-    zeros = jnp.zeros_like(p.est_BxKm1)
-    state = state.replace(policy_state=p.replace(est_BxKm1=zeros, prior_Km1=zeros[0]))
+    zeros = jnp.zeros_like(p.est_BxY)
+    state = state.replace(policy_state=p.replace(est_BxY=zeros, prior_Y=zeros[0]))
     engine._program = UNDRAFTED
     state, steps, _, _ = engine.run(state, stop_on_finish=False, max_steps=8)
     requested = np.asarray(state.request_BxS[0, :steps]).tolist()
     assert requested[:3] == [0, 0, 0] and all(w > 0 for w in requested[3:]), requested
     assert int(state.probes) == 1
-    np.testing.assert_allclose(state.policy_state.est_BxKm1[0], 1.0, atol=1e-3)
+    np.testing.assert_allclose(state.policy_state.est_BxY[0], 1.0, atol=1e-3)
 
 
 @pytest.mark.parametrize("draft_ms,drafts", [(100.0, False), (0.01, True)])
@@ -324,7 +324,7 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
         requested = [q for r in results for q in r.requested_widths]
         assert all((q > 0) == drafts for q in requested), (call, requested)
         learnt = engine.learnt
-        np.testing.assert_allclose(learnt.prior_Km1, np.ones(3), atol=1e-3)
+        np.testing.assert_allclose(learnt.prior_Y, np.ones(3), atol=1e-3)
     # two calls from the same start replay each other (the benchmark's timed passes)
     replays = []
     for _ in range(2):
@@ -334,14 +334,14 @@ def test_an_engine_keeps_what_it_learnt_across_calls(target, bigram, reference, 
     assert replays[0] == replays[1]
     engine.learnt = learnt
     start = engine.init_state(0).policy_state
-    np.testing.assert_allclose(start.prior_Km1, learnt.prior_Km1)
+    np.testing.assert_allclose(start.prior_Y, learnt.prior_Y)
     assert float(start.log_gamma) == pytest.approx(float(learnt.log_gamma))
     assert probe_in(start) == 1000  # the first probe waits for the interval
     broken = learnt.replace(log_gamma=jnp.float32(jnp.nan))
     fresh = policy.init(slots, broken)  # NaN is never carried into the next call
-    assert float(fresh.prior_Km1[0]) < 0 and probe_in(fresh) == 0
-    with pytest.raises(ValueError, match="positions"):
-        policy.init(slots, learnt.replace(prior_Km1=jnp.ones((1,))))
+    assert float(fresh.prior_Y[0]) < 0 and probe_in(fresh) == 0
+    with pytest.raises(ValueError, match="nodes"):
+        policy.init(slots, learnt.replace(prior_Y=jnp.ones((1,))))
 
 
 @pytest.mark.parametrize("draft_every,pending_steps", [(2, 2), (7, 3)])
@@ -452,9 +452,9 @@ def test_fresh_requests_start_from_the_engines_running_estimate(target, drafter)
     engine = _engine(target, drafter, policy=policy, eos_ids=())
     state = engine.init_state(0)
     state = admit(engine.prefill(state, [(0, PROMPTS[0], 12)]), engine.spec)
-    np.testing.assert_array_equal(state.policy_state.est_BxKm1[0], np.ones(3))  # no forward
+    np.testing.assert_array_equal(state.policy_state.est_BxY[0], np.ones(3))  # no forward
     state, _, _, _ = engine.run(state, stop_on_finish=False)
-    prior = np.asarray(state.policy_state.prior_Km1)
+    prior = np.asarray(state.policy_state.prior_Y)
     assert np.all((prior >= 0) & (prior < 0.99)), prior  # a random drafter is unsure
     state = admit(engine.prefill(state, [(1, PROMPTS[1], 5)]), engine.spec)
-    np.testing.assert_allclose(state.policy_state.est_BxKm1[1], prior)
+    np.testing.assert_allclose(state.policy_state.est_BxY[1], prior)

@@ -18,11 +18,13 @@ from doubles import TableDrafter
 from flax import nnx
 
 from adaflash_jax.decode.generate import generate
+from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, TreeBatchPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
 from adaflash_jax.decode.tree import NO_NODE, TreeShape, build, top_candidates, walk
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.packing import Packing
 from adaflash_jax.model.presets import target_preset
 from adaflash_jax.model.target import TargetLM
@@ -225,6 +227,38 @@ def test_tree_greedy_is_plain_greedy(setup):
     for shift in (1, 2):  # other prompts and budgets → other allocations and token buckets
         batch.generate([([(t + shift) % V for t in p], m + shift) for p, m in REQUESTS])
     assert compiled_programs() == warm
+
+
+def _packed_table(buckets, fills, rows=3, plain_ms=1.0, draft_ms=0.6, per_token_ms=0.15):
+    """A synthetic table: a packed step costs draft + plain + per_token_ms per extra token."""
+    return VerifyCostTable(
+        rows=(rows,),
+        widths=buckets,
+        verify_ms=(tuple(plain_ms + per_token_ms * rows * (w - 1) for w in buckets),),
+        draft_ms=(draft_ms,),
+        fills=fills,
+        packed_ms=(tuple(plain_ms + per_token_ms * rows * (f - 1) for f in fills),),
+        device="synthetic",
+    )
+
+
+@pytest.mark.parametrize("setup", ["test", "test-hybrid"], indirect=True)
+def test_goodput_over_trees_is_plain_greedy(setup):
+    """Goodput filling the token bucket with the best nodes of every row (or taking plain
+    steps, probing and grading its probes' trees) decodes plain greedy; it drafts and it
+    takes plain steps; its widths are prefixes of the rows' trees."""
+    _, plain, _ = setup
+    shape = TreeShape(topk=2, nodes=2 * K)
+    probe = _engine(setup, shape)
+    fills = tuple(p // 3 for p in probe.token_buckets)
+    policy = GoodputPolicy(cost=_packed_table(probe.buckets, fills), probe_every=2)
+    engine = _engine(setup, shape, policy)
+    results = engine.generate(REQUESTS)
+    assert [r.output_ids for r in results] == plain
+    requested = [w for r in results for w in r.requested_widths]
+    assert 0 in requested, f"some steps should be plain: {requested}"
+    assert any(w > 1 for w in requested), f"some steps should draft: {requested}"
+    assert max(requested) <= shape.row_width and engine.last_run["probes"] > 0
 
 
 @pytest.mark.parametrize("setup", ["test-hybrid"], indirect=True)  # recurrent states split too

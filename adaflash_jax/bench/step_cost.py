@@ -51,9 +51,12 @@ def pinned_spec(engine: SpeculativeEngine, width: int):
 
 def pinned_packed_spec(engine: SpeculativeEngine, fill: int):
     """The engine's loop spec under packed verify, every row at `fill` tokens: the step at
-    token bucket slots·fill."""
-    spec = pinned_spec(engine, fill)
-    return dataclasses.replace(spec, token_buckets=(engine.slots * fill,))
+    token bucket slots·fill (a tree engine's rows verify their root and first fill − 1
+    nodes)."""
+    tokens = (engine.slots * fill,)
+    if engine.spec.tree is None:
+        return dataclasses.replace(pinned_spec(engine, fill), token_buckets=tokens)
+    return dataclasses.replace(engine.spec, policy=FixedPolicy(width=fill), token_buckets=tokens)
 
 
 def _verify_only(plain_ms, draft_ms, drafted_ms):
@@ -156,9 +159,11 @@ def measure(
     rounds: int = 6,
     seed: int = 0,
     fills=(),
+    tree=None,
 ) -> VerifyCostTable:
     """The table of the engine (target, drafter, `capacity`, `buckets`, sampling mode) at each
-    row count in `rows`, with the packed form at `fills` (mean tokens per row, () none).
+    row count in `rows`, with the packed form at `fills` (mean tokens per row, () none),
+    timed on the draft-tree engine of shape `tree` when given (its step builds the tree).
     Compiles, per row count, one loop program per bucket > 1 and per fill > 1, the plain
     loop and the drafter forward."""
     kw = dict(capacity=capacity, temperature=temperature, top_p=top_p, eos_ids=())
@@ -167,13 +172,18 @@ def measure(
     for b in sorted(set(int(r) for r in rows)):
         spec_engine = SpeculativeEngine(target, drafter, slots=b, buckets=buckets, **kw)
         plain_engine = SpeculativeEngine(target, None, slots=b, **kw)
+        packed_engine = spec_engine
+        if tree is not None:
+            packed_engine = SpeculativeEngine(
+                target, drafter, slots=b, buckets=buckets, tree=tree, **kw
+            )
         k = spec_engine.block_size
         n = max(2, min(steps, (capacity - 2) // (2 * k)))
         prompt_len = max(1, min(capacity // 4, capacity - k * (n + 1)))
         widths = [w for w in spec_engine.buckets if w > 1]
         cases = [(plain_engine, plain_engine.spec)]
         cases += [(spec_engine, pinned_spec(spec_engine, w)) for w in widths]
-        cases += [(spec_engine, pinned_packed_spec(spec_engine, f)) for f in fills]
+        cases += [(packed_engine, pinned_packed_spec(packed_engine, f)) for f in fills]
         calls = [[] for _ in range(2 * len(cases) + 1)]  # (n steps, 1 step) per case, draft
         for r in range(rounds + 1):
             for i, (engine, spec) in enumerate(cases):
@@ -239,10 +249,11 @@ def engine_table(
     settings, else a fresh measurement (then cached). The engine's settings and goodput's
     options are checked first, on a flat table, before any compute."""
     k = max(engine_kw.get("block_size") or drafter.config.block_size, 1)
-    ones = ((1.0,) * k,)
+    tree = engine_kw.get("tree")
+    f = k if tree is None else max(k, tree.row_width)
     flat = VerifyCostTable(
-        rows=(1,), widths=range(1, k + 1), verify_ms=ones, draft_ms=(0,), fills=range(1, k + 1),
-        packed_ms=ones,
+        rows=(1,), widths=range(1, k + 1), verify_ms=((1.0,) * k,), draft_ms=(0,),
+        fills=range(1, f + 1), packed_ms=((1.0,) * f,),
     )  # fmt: skip
     policy = GoodputPolicy(cost=flat, **(policy_kwargs or {}))
     e = SpeculativeEngine(target, drafter, **engine_kw, policy=policy)
@@ -251,6 +262,8 @@ def engine_table(
     )
     if e.spec.packed:  # the packed form at the engine's token buckets
         settings["fills"] = tuple(p // e.slots for p in e.token_buckets)
+    if e.spec.tree is not None:
+        settings["tree"] = e.spec.tree
     path = cache_path(e.target, e.drafter, rows=(e.slots,), cache_dir=cache_dir, **settings)
     if os.path.isfile(path):
         return VerifyCostTable.load(path)

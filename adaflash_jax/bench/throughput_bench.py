@@ -38,6 +38,7 @@ from adaflash_jax.decode.slots import (
     token_bucket_set,
 )
 from adaflash_jax.decode.state import bucket_set
+from adaflash_jax.decode.tree import TreeShape
 from adaflash_jax.distill.shapes import slot_capacity
 from adaflash_jax.io.cost_table import VerifyCostTable
 
@@ -136,6 +137,7 @@ class ThroughputBench:
         self.cost_tables = dict(cost_tables or {})
         # goodput uses a given table as it is; otherwise its engine's row of the measured one
         self.given_tables = dict(cost_tables or {})
+        self.tree_tables: dict[tuple, VerifyCostTable] = {}  # (drafter, TreeShape): goodput's
         self._engines: dict[tuple, SpeculativeEngine] = {}
 
     def _capacity(self) -> int:
@@ -186,10 +188,35 @@ class ThroughputBench:
                 )
         return self.cost_tables[name]
 
+    def tree_table(self, name: str, tree: TreeShape) -> VerifyCostTable:
+        """The drafter's cost table with the packed form timed on the draft-tree engine of
+        shape `tree` (its fills up to the tree's row width), measured once per shape."""
+        key = (name, tree)
+        if key not in self.tree_tables:
+            t0 = time.perf_counter()
+            self.tree_tables[key] = measure(
+                self.target,
+                self.drafters[name],
+                rows=tuple(sorted(set(self.settings.concurrencies))),
+                capacity=self.capacity,
+                buckets=bucket_set(self.settings.buckets, self.drafters[name].config.block_size),
+                temperature=self.settings.temperature,
+                rounds=self.settings.repeats + 1,
+                fills=token_bucket_set(1, (tree.row_width,)),
+                tree=tree,
+            )
+            self.log(f"measured the step costs of {name!r} with trees {tree} "
+                     f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+        return self.tree_tables[key]
+
     def goodput_table(self, m: Method, concurrency: int) -> VerifyCostTable:
-        """A given table as it is; else the measured table's row of this concurrency."""
+        """A given table as it is; else the measured table's row of this concurrency (with
+        trees, the tree engine's)."""
         if m.drafter in self.given_tables:
             return self.given_tables[m.drafter]
+        tree = m.engine_options.get("tree")
+        if tree is not None:
+            return self.tree_table(m.drafter, tree).at_rows(concurrency)
         return self.cost_table(m.drafter).at_rows(concurrency)
 
     def policy_kwargs(self, m: Method) -> dict:

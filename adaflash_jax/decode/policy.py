@@ -42,6 +42,12 @@ class Slots:
 
     count: int  # B
     block_size: int  # K
+    tree_nodes: int | None = None  # Y with draft trees (None: chains)
+
+    @property
+    def nodes(self) -> int:
+        """N: the draft nodes a row may verify after its bonus (K − 1, or a tree's Y)."""
+        return self.block_size - 1 if self.tree_nodes is None else self.tree_nodes
 
 
 @struct.dataclass
@@ -95,7 +101,8 @@ class Decision:
 NEVER = 2**30  # a probe interval that never comes
 NOT_FOR_TREES = (
     "the {name} policy sizes chains; draft trees take the fixed policy (every row its whole "
-    "tree: a per-row node budget) or tree-batch (one node budget over the batch)"
+    "tree: a per-row node budget), tree-batch (one node budget over the batch) or goodput "
+    "(the token bucket or a plain step, by the cost table)"
 )
 
 
@@ -151,13 +158,19 @@ class Stateless:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FixedPolicy(Stateless):
     """Always the whole block (DFlash), or a tree's every node (a per-row node budget, as
-    DDTree publishes)."""
+    DDTree publishes); with `width`, that many tokens a row (at most the row's)."""
 
+    width: int | None = None
     name = "fixed"
     needs_length_head = False
 
+    def __post_init__(self):
+        if self.width is not None and self.width < 1:
+            raise PolicyError(f"the fixed policy's width must be >= 1, got {self.width}")
+
     def widths(self, draft: Draft, state):
-        return jnp.full(draft.active_B.shape, draft.row_width, jnp.int32), state
+        w = draft.row_width if self.width is None else min(self.width, draft.row_width)
+        return jnp.full(draft.active_B.shape, w, jnp.int32), state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -192,7 +192,10 @@ class SpeculativeEngine:
             pending=pending_steps if drafter is not None and policy.may_skip else 0,
             tree=tree,
         )
-        self.policy_slots = Slots(count=slots, block_size=k)  # what the policy sizes its state by
+        # what the policy sizes its state by
+        self.policy_slots = Slots(
+            count=slots, block_size=k, tree_nodes=None if tree is None else tree.nodes
+        )
         self.first_program = UNDRAFTED if drafter is not None and policy.may_skip else DRAFTED
         # (graphdef, state) per model: the form the jitted programs take them in
         self.models = (nnx.split(target), None if drafter is None else nnx.split(drafter))
@@ -248,6 +251,7 @@ class SpeculativeEngine:
             undrafted=Undrafted.create(
                 batch=b,
                 block_size=self.block_size,
+                nodes=self.policy_slots.nodes if self.spec.pending else 0,  # probes: skip arm
                 pending=self.spec.pending,
                 feature_dim=len(self.spec.feature_layers) * self.target.config.hidden_size,
                 dtype=self.target.dtype,

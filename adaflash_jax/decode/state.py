@@ -2,7 +2,8 @@
 
 Dimensions: B slots, S cache capacity (also each slot's output and statistics buffers), E
 eos ids, K block size, W verify width (a bucket), M verify tokens (a token bucket), U
-deferred context positions, nD concatenated target features.
+deferred context positions, nD concatenated target features, Y a row's draft nodes (a
+tree's, or a chain's K − 1 positions).
 
 Invariants of a live slot b: `bonus_B[b]` is the last committed token; neither its target
 entries nor its features exist yet, so `target_cache.lengths[b]` is its position, and
@@ -37,19 +38,24 @@ class Undrafted:
 
     pending_BxUxnD: jax.Array  # target features not yet in the drafter context
     pending_B: jax.Array  # int32 positions held per row
-    probe_drafts_BxKm1: jax.Array  # int32 greedy drafts of the row's latest probe
+    # the row's latest probe's draft nodes (a chain's greedy drafts as a one-child tree):
+    probe_tokens_BxY: jax.Array  # int32 token
+    probe_parent_BxY: jax.Array  # int32 verify-token index of the parent (0: the root)
+    probe_depth_BxY: jax.Array  # int32 depth (K: an empty node)
     probe_at_B: jax.Array  # int32 the row's output length at that probe
     probe_live_B: jax.Array  # bool: that probe is of the row's current request, ungraded
     steps: jax.Array  # int32 scalar: undrafted steps since the rows' latest drafter forward
     probe_due_at: jax.Array  # int32 scalar: `steps` at which a probe is due
 
     @classmethod
-    def create(cls, *, batch, block_size, pending, feature_dim, dtype) -> Undrafted:
-        b, km1 = batch, block_size - 1
+    def create(cls, *, batch, block_size, nodes, pending, feature_dim, dtype) -> Undrafted:
+        b = batch
         return cls(
             pending_BxUxnD=jnp.zeros((b, pending, feature_dim), dtype),
             pending_B=jnp.zeros((b,), jnp.int32),
-            probe_drafts_BxKm1=jnp.zeros((b, km1), jnp.int32),
+            probe_tokens_BxY=jnp.zeros((b, nodes), jnp.int32),
+            probe_parent_BxY=jnp.zeros((b, nodes), jnp.int32),
+            probe_depth_BxY=jnp.full((b, nodes), block_size, jnp.int32),
             probe_at_B=jnp.zeros((b,), jnp.int32),
             probe_live_B=jnp.zeros((b,), bool),
             steps=jnp.zeros((), jnp.int32),

@@ -1,19 +1,23 @@
 """Online calibration of the acceptance estimator, per request row (goodput).
 
-Dimensions: B slots, K block size, S per-slot output buffer length.
+Dimensions: B slots, Y a row's draft nodes (a tree's, or a chain's K − 1 positions).
 
 Why: an estimator can be far off for a given drafter and domain (BENCHMARKS.md §1: on the
 tiny target's math prompts the drafter's confidence expected ~0.5 accepted drafts per step
 where 5–7 were accepted). Scaling the expected count cannot fix that (the same factor is
 wrong for prose), nor can an engine-wide correction learnt only from drafted steps (it learns
-nothing once nothing drafts). So each row calibrates its estimates with an exponent,
-a_i ↦ a_i^γ (γ < 1 lifts an under-confident estimator, γ > 1 lowers an over-confident one;
-the ordering is kept). Each outcome (a draft of known estimates graded over width W, n drafts
-accepted) moves the row's calibrated expected count Σ_{i<W} Π_{j<=i} a_j^γ a fraction of the
-way towards n, and γ is refit to that count. Outcomes come from drafted steps and from probes
-graded after the fact (`decode/undrafted.py`; with sampling, the drafter's argmax matching
-the sampled token is a proxy for rejection-sampling acceptance). Only committed tokens are read, so
-decisions stay lossless. A fresh request starts from the engine-wide EMA of all outcomes.
+nothing once nothing drafts). So each row calibrates its estimates with an exponent.
+The estimates are survivals s_i, the chance node i is accepted (a chain's draft i with all
+before it, s_i = Π_{j<=i} a_j; a tree node's path probability), taken as s_i ↦ s_i^γ (for a
+chain the same as a_j ↦ a_j^γ; γ < 1 lifts an under-confident estimator, γ > 1 lowers an
+over-confident one; the ordering is kept). A row verifying its first W − 1 nodes expects
+Σ_{i<W} s_i^γ accepted drafts (each node counts once if it lies on the accepted path). Each
+outcome (a draft of known estimates graded over width W, n drafts accepted) moves the row's
+calibrated expected count a fraction of the way towards n, and γ is refit to that count.
+Outcomes come from drafted steps and from probes graded after the fact by walking their
+nodes along the committed tokens (`decode/undrafted.py`; with sampling, drafts matching the
+sampled tokens are a proxy for rejection-sampling acceptance). Only committed tokens are
+read, so decisions stay lossless. A fresh request starts from the engine-wide EMA of all outcomes.
 """
 
 from __future__ import annotations
@@ -43,33 +47,38 @@ def bisect(too_high, lo_B: jax.Array, hi_B: jax.Array, iters: int, unroll: bool 
     return 0.5 * (lo_B + hi_B)
 
 
-def calibrated(accept_BxKm1: jax.Array, log_gamma) -> jax.Array:
-    """a^γ per row (log_gamma a scalar or [B])."""
+def chain_survival(accept_BxKm1: jax.Array) -> jax.Array:
+    """A chain's survivals Π_{j<=i} a_j from per-position acceptance a → [B, K − 1]."""
+    return jnp.cumprod(jnp.clip(accept_BxKm1.astype(jnp.float32), 0.0, 1.0), axis=-1)
+
+
+def calibrated(survive_BxY: jax.Array, log_gamma) -> jax.Array:
+    """s^γ per row (log_gamma a scalar or [B])."""
     lg = jnp.asarray(log_gamma, jnp.float32)
     gamma = jnp.exp(lg)[..., None] if lg.ndim == 1 else jnp.exp(lg)
-    return jnp.power(jnp.clip(accept_BxKm1.astype(jnp.float32), 0.0, 1.0), gamma)
+    return jnp.power(jnp.clip(survive_BxY.astype(jnp.float32), 0.0, 1.0), gamma)
 
 
-def accepted_by_width(accept_BxKm1: jax.Array) -> jax.Array:
-    """E[accepted drafts | width W] = Σ_{i=1}^{W−1} Π_{j<=i} a_j for W = 1..K → [B, K]."""
-    survive_BxKm1 = jnp.cumprod(jnp.clip(accept_BxKm1, 0.0, 1.0), axis=-1)
-    zero_Bx1 = jnp.zeros_like(survive_BxKm1[:, :1])
-    return jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxKm1, axis=-1)], axis=-1)
+def accepted_by_width(survive_BxY: jax.Array) -> jax.Array:
+    """E[accepted drafts | width W] = Σ_{i=1}^{W−1} s_i for W = 1..Y + 1 → [B, Y + 1]."""
+    survive_BxY = jnp.clip(survive_BxY, 0.0, 1.0)
+    zero_Bx1 = jnp.zeros_like(survive_BxY[:, :1])
+    return jnp.concatenate([zero_Bx1, jnp.cumsum(survive_BxY, axis=-1)], axis=-1)
 
 
-def accepted_at(accept_BxKm1: jax.Array, width_B: jax.Array) -> jax.Array:
+def accepted_at(survive_BxY: jax.Array, width_B: jax.Array) -> jax.Array:
     """E[accepted drafts] at each row's own width W → [B]."""
-    by_width_BxK = accepted_by_width(accept_BxKm1)
-    return jnp.take_along_axis(by_width_BxK, (width_B - 1)[:, None], axis=1)[:, 0]
+    by_width_BxW = accepted_by_width(survive_BxY)
+    return jnp.take_along_axis(by_width_BxW, (width_B - 1)[:, None], axis=1)[:, 0]
 
 
-def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
+def fit_log_gamma(est_BxY, width_B, realised_B) -> jax.Array:
     """log γ* per row: the exponent at which the expected accepted count at width_B equals the
     realised one (clipped to ±MAX_LOG_GAMMA when no exponent reaches it)."""
     target_B = realised_B.astype(jnp.float32)
 
     def too_few(log_gamma_B):  # the count falls as γ grows
-        return accepted_at(calibrated(est_BxKm1, log_gamma_B), width_B) < target_B
+        return accepted_at(calibrated(est_BxY, log_gamma_B), width_B) < target_B
 
     lo_B = jnp.full_like(target_B, -MAX_LOG_GAMMA)
     hi_B = jnp.full_like(target_B, MAX_LOG_GAMMA)
@@ -78,8 +87,8 @@ def fit_log_gamma(est_BxKm1, width_B, realised_B) -> jax.Array:
     return bisect(too_few, lo_B, hi_B, FIT_ITERS, unroll=True)
 
 
-def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
-    """(log_gamma_B, log_gamma) after outcomes: row b's draft (raw estimates est_BxKm1[b]) was
+def update(log_gamma_B, log_gamma, est_BxY, width_B, realised_B, graded_B):
+    """(log_gamma_B, log_gamma) after outcomes: row b's draft (raw survivals est_BxY[b]) was
     verified or graded over width_B[b], realised_B[b] drafts accepted. Each moves the
     calibrated count a RATE fraction towards the realised one and refits γ to that (one
     outcome is noisy, and a 0 or a full block alone would fit γ at a bound). Rows not
@@ -89,11 +98,11 @@ def update(log_gamma_B, log_gamma, est_BxKm1, width_B, realised_B, graded_B):
     # the rows' refits and the engine's in one bisection over 2B rows
     lg_2B = jnp.concatenate([log_gamma_B, jnp.broadcast_to(log_gamma, (b,))])
     rate_2B = jnp.repeat(jnp.asarray([ROW_RATE, ENGINE_RATE], jnp.float32), b)
-    est_2BxKm1 = jnp.concatenate([est_BxKm1, est_BxKm1])
+    est_2BxY = jnp.concatenate([est_BxY, est_BxY])
     width_2B = jnp.concatenate([width_B, width_B])
-    now_2B = accepted_at(calibrated(est_2BxKm1, lg_2B), width_2B)
+    now_2B = accepted_at(calibrated(est_2BxY, lg_2B), width_2B)
     target_2B = now_2B + rate_2B * (jnp.concatenate([realised_B, realised_B]) - now_2B)
-    fit_2B = fit_log_gamma(est_2BxKm1, width_2B, target_2B)
+    fit_2B = fit_log_gamma(est_2BxY, width_2B, target_2B)
     rows_B = jnp.where(graded_B, fit_2B[:b], log_gamma_B)
     n = jnp.sum(graded_B)
     mean = jnp.sum(jnp.where(graded_B, fit_2B[b:], 0.0)) / jnp.maximum(n, 1)

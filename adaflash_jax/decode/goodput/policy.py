@@ -1,17 +1,20 @@
 """The goodput length policy (`LengthPolicy`) and its acceptance estimators (docs/design.md §5.4).
 
-Dimensions: B slots, K block size, NW widths (the verify buckets), NM packed verify's token
-buckets, V vocab.
+Dimensions: B slots, K block size, Y a row's draft nodes (a tree's, or a chain's K − 1
+positions), NW widths (the verify buckets), NM packed verify's token buckets, V vocab.
 
 Each drafted step picks the one batch width W maximising Σ_active E[committed | W] /
-step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} Π_{j<=i} a_j from each row's
-estimates a_i (the chance draft i is accepted, drafts < i accepted: the drafter's top
-probability, "confidence"; the constant rate the length head's r implies, "length_head"; or
-the head's acceptance output, "head"), step_ms the cost table's draft + verify time. Under
-packed verify (a step costs its token bucket M, not B × the widest row) it picks a width per
-row: for each M, the M − n extra tokens of n active rows go to the largest increments
-Π_{j<=i} a_j over all rows (optimal: each row's increments shrink with i), and the M with
-the most tokens per ms of the table's packed form wins.
+step_ms(W) over the buckets: E[committed | W] = 1 + Σ_{i<W} s_i from each row's survival
+estimates s_i (the chance node i is accepted; for a chain Π_{j<=i} a_j from per-position
+estimates a_j: the drafter's top probability, "confidence"; the constant rate the length
+head's r implies, "length_head"; or the head's acceptance output, "head"), step_ms the cost
+table's draft + verify time. Under packed verify (a step costs its token bucket M, not B ×
+the widest row) it picks a width per row: for each M, the M − n extra tokens of n active
+rows go to the largest survivals over all rows (optimal: each row's survivals shrink with
+i), and the M with the most tokens per ms of the table's packed form wins. With draft trees
+(`decode/tree.py`, packed only) a row's nodes are its tree's in selection order and s_i
+their path probabilities ("confidence": the drafter's own), so the same choice fills the
+step's token bucket with the best nodes of every row, or picks a plain step.
 
 With `skip_draft` (the "don't speculate" arm: the engine's undrafted loop,
 `decode/undrafted.py`), a plain step (width 1, no drafter forward) runs instead when its rate
@@ -31,10 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from adaflash_jax.decode.goodput.calibration import accepted_by_width, bisect, calibrated, update
+from adaflash_jax.decode.goodput.calibration import (
+    accepted_by_width,
+    bisect,
+    calibrated,
+    chain_survival,
+    update,
+)
 from adaflash_jax.decode.policy import (
     NEVER,
-    NOT_FOR_TREES,
     Decision,
     Draft,
     Outcome,
@@ -44,6 +52,7 @@ from adaflash_jax.decode.policy import (
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
+TREE_ESTIMATORS = ("confidence",)  # a tree node's survival is its path probability
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
 
 
@@ -63,6 +72,7 @@ def length_head_accept_probs(r_B: jax.Array, block_size: int, iters: int = 40) -
 
 
 def accept_probs(draft: Draft, estimator: str) -> jax.Array:
+    """[B, K − 1]: a chain's per-position acceptance estimates."""
     if estimator == "confidence":
         logits_BxKm1xV = draft.logits_BxKm1xV.astype(jnp.float32)
         return jnp.max(jax.nn.softmax(logits_BxKm1xV, axis=-1), axis=-1)
@@ -71,11 +81,19 @@ def accept_probs(draft: Draft, estimator: str) -> jax.Array:
     return draft.head_accept_BxKm1.astype(jnp.float32)
 
 
-def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gamma=0.0):
-    """E[committed tokens | verify width W] = 1 + Σ_{i<W} Π_{j<=i} a_j under the estimates
-    calibrated as a^γ (log_gamma a scalar or one per row) → [B, NW]."""
-    by_width_BxK = accepted_by_width(calibrated(accept_BxKm1, log_gamma))
-    return 1.0 + by_width_BxK[:, jnp.asarray(widths) - 1]
+def survival(draft: Draft, estimator: str) -> jax.Array:
+    """[B, Y]: the chance each node is accepted: a chain's Π_{j<=i} a_j, a tree node's path
+    probability (0 for a slot the selection left empty)."""
+    if draft.tree is not None:
+        return jnp.exp(jnp.maximum(draft.tree.logp_BxY, -1e4))  # NO_NODE: exactly 0
+    return chain_survival(accept_probs(draft, estimator))
+
+
+def expected_committed(survive_BxY: jax.Array, widths: tuple[int, ...], log_gamma=0.0):
+    """E[committed tokens | verify width W] = 1 + Σ_{i<W} s_i under the survivals calibrated
+    as s^γ (log_gamma a scalar or one per row) → [B, NW]."""
+    by_width_BxW = accepted_by_width(calibrated(survive_BxY, log_gamma))
+    return 1.0 + by_width_BxW[:, jnp.asarray(widths) - 1]
 
 
 # ---- the policy ----------------------------------------------------------------------------
@@ -83,22 +101,22 @@ def expected_committed(accept_BxKm1: jax.Array, widths: tuple[int, ...], log_gam
 class GoodputState:
     """The skip arm's state: the rows' estimates and their calibration."""
 
-    est_BxKm1: jax.Array  # float32 raw acceptance estimate of the row's latest draft
-    prior_Km1: jax.Array  # float32 EMA of rows' estimates (negative: no forward yet)
+    est_BxY: jax.Array  # float32 raw survival estimates of the row's latest draft
+    prior_Y: jax.Array  # float32 EMA of rows' estimates (negative: no forward yet)
     log_gamma_B: jax.Array  # float32 log calibration exponent γ per row (calibration.py)
     log_gamma: jax.Array  # float32 the same over all rows: a fresh request's start
 
-    def refreshed(self, a_BxKm1: jax.Array, active_B: jax.Array) -> GoodputState:
-        """After a drafter forward estimated `a_BxKm1`: the active rows' estimates, and the
-        prior, an EMA of their mean that the first forward sets to it (starting fresh
+    def refreshed(self, s_BxY: jax.Array, active_B: jax.Array) -> GoodputState:
+        """After a drafter forward estimated survivals `s_BxY`: the active rows' estimates,
+        and the prior, an EMA of their mean that the first forward sets to it (starting fresh
         requests at 1 would force a draft on admission even where drafting never pays)."""
         n = jnp.sum(active_B)
-        mean_Km1 = jnp.sum(jnp.where(active_B[:, None], a_BxKm1, 0.0), axis=0) / jnp.maximum(n, 1)
-        ema_Km1 = (1.0 - PRIOR_RATE) * self.prior_Km1 + PRIOR_RATE * mean_Km1
-        ema_Km1 = jnp.where(self.prior_Km1 < 0, mean_Km1, ema_Km1)  # the first forward
+        mean_Y = jnp.sum(jnp.where(active_B[:, None], s_BxY, 0.0), axis=0) / jnp.maximum(n, 1)
+        ema_Y = (1.0 - PRIOR_RATE) * self.prior_Y + PRIOR_RATE * mean_Y
+        ema_Y = jnp.where(self.prior_Y < 0, mean_Y, ema_Y)  # the first forward
         return self.replace(
-            est_BxKm1=jnp.where(active_B[:, None], a_BxKm1, self.est_BxKm1),
-            prior_Km1=jnp.where(n > 0, ema_Km1, self.prior_Km1),
+            est_BxY=jnp.where(active_B[:, None], s_BxY, self.est_BxY),
+            prior_Y=jnp.where(n > 0, ema_Y, self.prior_Y),
         )
 
 
@@ -146,8 +164,13 @@ class GoodputPolicy:
         return self.skip_draft
 
     def validate(self, *, buckets, has_length_head, fills=(), tree=None):
-        if tree is not None:
-            raise PolicyError(NOT_FOR_TREES.format(name=self.name))
+        if tree is not None and self.estimator not in TREE_ESTIMATORS:
+            raise PolicyError(
+                f"goodput's {self.estimator!r} estimator scores chain positions; a draft "
+                f"tree's nodes are scored by path probability: use estimator 'confidence'"
+            )
+        if tree is not None and not fills:
+            raise PolicyError("goodput over draft trees fills packed verify's token buckets")
         unknown = [f for f in fills if f not in self.cost.fills]
         if unknown:
             raise PolicyError(
@@ -173,72 +196,72 @@ class GoodputPolicy:
         the probe interval before its first probe, a fresh one probes at once (`speculate`)."""
         if not self.skip_draft:
             return ()
-        b, km1 = slots.count, slots.block_size - 1
-        prior, log_gamma = np.full((km1,), -1.0, np.float32), np.float32(0.0)
+        b, n = slots.count, slots.nodes
+        prior, log_gamma = np.full((n,), -1.0, np.float32), np.float32(0.0)
         if previous is not None:
-            p, lg = jax.device_get((previous.prior_Km1, previous.log_gamma))
-            if p.size != km1:
-                raise ValueError(f"previous state has {p.size} positions, not K - 1 = {km1}")
+            p, lg = jax.device_get((previous.prior_Y, previous.log_gamma))
+            if p.size != n:
+                raise ValueError(f"previous state has {p.size} nodes, not the engine's {n}")
             if p[0] >= 0 and np.all(np.isfinite(p)) and np.isfinite(lg):
                 prior, log_gamma = p, lg
         return GoodputState(
-            est_BxKm1=jnp.ones((b, km1), jnp.float32),
-            prior_Km1=jnp.asarray(prior, jnp.float32),
+            est_BxY=jnp.ones((b, n), jnp.float32),
+            prior_Y=jnp.asarray(prior, jnp.float32),
             log_gamma_B=jnp.zeros((b,), jnp.float32),
             log_gamma=jnp.asarray(log_gamma, jnp.float32),
         )
 
-    def _tokens_per_ms(self, a_BxKm1, log_gamma, active_B, buckets, extra_ms=0.0):
+    def _tokens_per_ms(self, s_BxY, log_gamma, active_B, buckets, extra_ms=0.0):
         """Expected committed tokens per ms of a drafted step at each bucket [NW], summed over
         the active rows."""
-        gain_BxNW = expected_committed(a_BxKm1, buckets, log_gamma)
+        gain_BxNW = expected_committed(s_BxY, buckets, log_gamma)
         total_NW = jnp.sum(jnp.where(active_B[:, None], gain_BxNW, 0.0), axis=0)
         num_running = jnp.sum(active_B.astype(jnp.int32))
         return total_NW / (self.cost.step_ms(num_running, buckets) + extra_ms)
 
-    def _packed_options(self, a_BxKm1, log_gamma, active_B, token_buckets, extra_ms=0.0):
+    def _packed_options(self, s_BxY, log_gamma, active_B, token_buckets, extra_ms=0.0):
         """Packed verify: per token bucket M [NM], the expected committed tokens per ms when
-        the active rows share M tokens, each row's extra tokens going to the largest width
-        increments over all rows; with the extra-token budget per M [NM] and each (row, width
-        increment)'s rank among them [B, K−1] (rank < budget: taken)."""
+        the active rows share M tokens, each row's extra tokens going to the largest
+        survivals over all rows; with the extra-token budget per M [NM] and each (row, node)'s
+        rank among them [B, Y] (rank < budget: taken; an empty node, survival 0, ranks after
+        every real one and its row's taken count stops before it)."""
         b = active_B.shape[0]
-        by_width_BxK = accepted_by_width(calibrated(a_BxKm1, log_gamma))
-        inc_BxKm1 = jnp.where(active_B[:, None], jnp.diff(by_width_BxK, axis=1), -1.0)
-        order = jnp.argsort(-inc_BxKm1.reshape(-1))
-        sorted_N = jnp.maximum(inc_BxKm1.reshape(-1)[order], 0.0)
-        best_sums = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_N)])
+        inc_BxY = jnp.where(active_B[:, None], calibrated(s_BxY, log_gamma), -1.0)
+        order = jnp.argsort(-inc_BxY.reshape(-1), stable=True)
+        sorted_BY = jnp.maximum(inc_BxY.reshape(-1)[order], 0.0)
+        best_sums = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_BY)])
         n = jnp.sum(active_B.astype(jnp.int32))
         tokens_NM = jnp.asarray(token_buckets, jnp.int32)
-        budget_NM = jnp.clip(tokens_NM - n, 0, sorted_N.shape[0])
+        budget_NM = jnp.clip(tokens_NM - n, 0, sorted_BY.shape[0])
         fills = tuple(p // b for p in token_buckets)
         rate_NM = (n + best_sums[budget_NM]) / (self.cost.packed_step_ms(n, fills) + extra_ms)
-        rank_BxKm1 = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-        return rate_NM, budget_NM, rank_BxKm1.reshape(inc_BxKm1.shape)
+        rank_BxY = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+        return rate_NM, budget_NM, rank_BxY.reshape(inc_BxY.shape)
 
-    def _best_rate(self, a_BxKm1, log_gamma, active_B, buckets, token_buckets, extra_ms=0.0):
+    def _best_rate(self, s_BxY, log_gamma, active_B, buckets, token_buckets, extra_ms=0.0):
         """The best drafted step's expected committed tokens per ms (scalar)."""
         if token_buckets:
             rate_NM, _, _ = self._packed_options(
-                a_BxKm1, log_gamma, active_B, token_buckets, extra_ms
+                s_BxY, log_gamma, active_B, token_buckets, extra_ms
             )
             return jnp.max(rate_NM)
-        return jnp.max(self._tokens_per_ms(a_BxKm1, log_gamma, active_B, buckets, extra_ms))
+        return jnp.max(self._tokens_per_ms(s_BxY, log_gamma, active_B, buckets, extra_ms))
 
     def widths(self, draft: Draft, state):
-        a_BxKm1 = accept_probs(draft, self.estimator)
+        s_BxY = survival(draft, self.estimator)
         log_gamma = state.log_gamma_B if self.skip_draft else 0.0
         if draft.token_buckets:
-            rate_NM, budget_NM, rank_BxKm1 = self._packed_options(
-                a_BxKm1, log_gamma, draft.active_B, draft.token_buckets
+            rate_NM, budget_NM, rank_BxY = self._packed_options(
+                s_BxY, log_gamma, draft.active_B, draft.token_buckets
             )
-            taken_BxKm1 = rank_BxKm1 < budget_NM[jnp.argmax(rate_NM)]
-            width_B = 1 + jnp.sum(taken_BxKm1.astype(jnp.int32), axis=1)
+            taken_BxY = rank_BxY < budget_NM[jnp.argmax(rate_NM)]
+            if draft.tree is not None:  # a prefix of the row's real nodes
+                taken_BxY &= jnp.arange(s_BxY.shape[1])[None, :] < draft.tree.size_B[:, None]
+            width_B = 1 + jnp.sum(taken_BxY.astype(jnp.int32), axis=1)
         else:
-            best = jnp.argmax(
-                self._tokens_per_ms(a_BxKm1, log_gamma, draft.active_B, draft.buckets)
-            )
+            best = jnp.argmax(self._tokens_per_ms(s_BxY, log_gamma, draft.active_B, draft.buckets))
             width_B = jnp.full(draft.active_B.shape, jnp.asarray(draft.buckets)[best], jnp.int32)
-        return width_B, state.refreshed(a_BxKm1, draft.active_B) if self.skip_draft else state
+        return width_B, state.refreshed(s_BxY, draft.active_B) if self.skip_draft else state
 
     def observe(self, outcome: Outcome, state):
         """Admitted rows start from the engine-wide estimate (1 before any drafter forward)
@@ -248,16 +271,16 @@ class GoodputPolicy:
             return state
         if outcome.started_B is not None:
             new_B = outcome.started_B
-            fresh_Km1 = jnp.where(state.prior_Km1 < 0, 1.0, state.prior_Km1)
+            fresh_Y = jnp.where(state.prior_Y < 0, 1.0, state.prior_Y)
             state = state.replace(
-                est_BxKm1=jnp.where(new_B[:, None], fresh_Km1, state.est_BxKm1),
+                est_BxY=jnp.where(new_B[:, None], fresh_Y, state.est_BxY),
                 log_gamma_B=jnp.where(new_B, state.log_gamma, state.log_gamma_B),
             )
         if outcome.verified_B is not None:
             rows_B, engine = update(
                 state.log_gamma_B,
                 state.log_gamma,
-                state.est_BxKm1,
+                state.est_BxY,
                 outcome.width_B,
                 outcome.accepted_B,
                 outcome.verified_B,
@@ -270,7 +293,7 @@ class GoodputPolicy:
         """(best drafted, plain) expected committed tokens per ms over the active rows."""
         extra_ms = self.cost.switch_ms / self.switch_horizon if switching else 0.0
         drafted = self._best_rate(
-            state.est_BxKm1, state.log_gamma_B, active_B, buckets, token_buckets, extra_ms
+            state.est_BxY, state.log_gamma_B, active_B, buckets, token_buckets, extra_ms
         )
         num_running = jnp.sum(active_B.astype(jnp.int32))
         return drafted, num_running / self.cost.verify_step_ms(num_running, (1,))[0]
@@ -289,7 +312,7 @@ class GoodputPolicy:
         interval = self.probe_interval(
             state, active_B, buckets=buckets, token_buckets=token_buckets
         )
-        fresh = state.prior_Km1[0] < 0
+        fresh = state.prior_Y[0] < 0
         return Decision(draft=drafted_rate > plain_rate, probe_in=jnp.where(fresh, 0, interval))
 
     def drafting_gain(self, state, active_B, *, buckets, token_buckets=()):
