@@ -118,10 +118,9 @@ def test_packed_equals_padded_equals_plain(setup):
     assert compiled_programs() == warm
 
 
+@pytest.mark.parametrize("setup", ["test-hybrid"], indirect=True)  # recurrent states split too
 def test_rows_split_over_eight_devices_decode_the_same(setup):
     """Slots split over (data, fsdp): the packed stream's tokens come from every shard's rows."""
-    if not setup[0].config.is_hybrid:
-        pytest.skip("the hybrid (recurrent states split too) is enough here")
     _, plain, _ = setup
     rows = RowLayout.of(make_mesh(2, 4, 1), TRAIN_RULES, 8)
     engine = _engine(setup, "packed", slots=8, rows=rows)
@@ -183,10 +182,9 @@ def test_goodput_packed_widths_are_the_best_allocation():
         assert ours == pytest.approx(best, rel=1e-5)
 
 
+@pytest.mark.parametrize("setup", ["test"], indirect=True)  # the dense target is enough here
 def test_goodput_packed_stays_lossless(setup):
     """Goodput with its skip arm over packed verify (the per-row widths: the test above)."""
-    if setup[0].config.is_hybrid or setup[0].config.num_experts:
-        pytest.skip("the dense target is enough here")
     target, plain, drafter = setup
     policy = GoodputPolicy(cost=PACKED_TABLE)
     engine = SpeculativeEngine(

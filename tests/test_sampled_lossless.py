@@ -153,15 +153,33 @@ def test_sampling_stays_lossless_under_each_policy(models, plain_counts, policy,
     assert p > P_HONEST, f"{policy.name}: sampling is no longer lossless (p={p:.2e})"
 
 
+TREE_FILLS = (1, 2, 3, 4, 6, 7)  # a 6-node tree's rows verify up to 7 tokens
+TREE_TABLE = dataclasses.replace(
+    GOODPUT_TABLE,
+    fills=TREE_FILLS,
+    packed_ms=(tuple(1.0 + 0.1 * f for f in TREE_FILLS),) * 2,
+)
+
+
 @pytest.mark.parametrize(
-    "policy", [FixedPolicy(), TreeBatchPolicy(mean_nodes=2)], ids=["per-row", "batch"]
+    "policy",
+    [
+        FixedPolicy(),
+        TreeBatchPolicy(mean_nodes=2),
+        # goodput's per-row node counts, drafted steps between pairs of plain ones
+        DraftEveryNth(goodput=GoodputPolicy(cost=TREE_TABLE), n=2),
+    ],
+    ids=["per-row", "batch", "goodput-mixed"],
 )
 def test_tree_sampling_matches_plain(models, plain_counts, policy):
     """Draft trees (2 draws from q per position, 6 nodes a row): recursive rejection over a
     node's children picks the child to follow, so every committed token is a plain sample."""
     outputs, results = _speculative(
-        models, verify="packed", tree=TreeShape(topk=2, nodes=6), policy=policy
+        models, verify="packed", tree=TreeShape(topk=2, nodes=6), policy=policy, pending_steps=2
     )
+    if isinstance(policy, DraftEveryNth):
+        requested = [w for r in results for w in r.requested_widths]
+        assert 0 in requested and set(requested) - {0, 7}, f"mixed widths: {set(requested)}"
     tau = np.mean([r.tau for r in results])
     p = chi_square_p(plain_counts, _counts(outputs))
     assert tau > 1.05, "acceptance must actually happen"  # the drafter is random
