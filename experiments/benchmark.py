@@ -6,7 +6,9 @@ python -m experiments.benchmark --micro --out /tmp/b            # tiny random mo
 
 Methods (--methods, comma list): plain, DRAFTER:POLICY[:key=value,...] with DRAFTER a name
 of the run dir's exports (stage1, adaflash, sft) or of --drafter NAME=DIR, POLICY one of
-fixed / adaflash / goodput. Concurrency defaults: 1,4,16,64 on CPU, 1,32,64,128 otherwise.
+fixed / adaflash / goodput / tree-batch; options joined by '+', e.g. adaflash:goodput:tree=4x15
+(draft trees, TOPKxNODES) or adaflash:tree-batch:tree=4x31+mean_nodes=7. Concurrency
+defaults: 1,4,16,64 on CPU, 1,32,64,128 otherwise.
 Writes bench.json, bench_traces.json (per-step acceptance for experiments.project_throughput),
 bench.md, throughput.png and tau.png under --out.
 """
