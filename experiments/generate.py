@@ -56,7 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
     s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
     s.add_argument("--verify", choices=VERIFY_LAYOUTS, help="packed: each row's own tokens")
-    s.add_argument("--tree", type=tree_shape, help="TOPKxNODES: verify draft trees (packed)")
+    s.add_argument(
+        "--tree",
+        type=tree_shape,
+        help="TOPKxNODES[@head]: verify draft trees (packed), ranked by path probability or "
+        "(@head) the length head's acceptance",
+    )
     s.add_argument("--mean-nodes", type=float, help="--policy tree-batch: nodes per row")
     s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")

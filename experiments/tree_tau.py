@@ -27,6 +27,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", type=int_list, help="c = 1 verify tokens per row (K,2K,4K)")
     p.add_argument("--batch-budgets", type=int_list, default="4,8", help="c > 1, per row")
     p.add_argument("--topk", type=int, default=4, help="candidates per position")
+    p.add_argument(
+        "--surrogates", default="path", help="node scores to compare: path,head (head: the "
+        "length head's acceptance; needs a drafter with its accept output)",
+    )  # fmt: skip
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--seeds", type=int_list, default="0,1,2")
     p.add_argument("--prompts", type=int, default=16, help="requests per cell (>= c)")
@@ -43,6 +47,7 @@ def run(a) -> None:
     from adaflash_jax.bench import inputs
     from adaflash_jax.bench import tree_tau as tt
     from adaflash_jax.bench.methods import BenchError
+    from adaflash_jax.decode.tree import SURROGATES
 
     src = inputs.from_run_dir(a.run_dir)
     if a.drafter not in src["drafters"]:
@@ -57,6 +62,10 @@ def run(a) -> None:
     k = drafter.config.block_size
     budgets = a.budgets or (k, 2 * k, 4 * k)
     temperatures = [float(t) for t in a.temperatures.split(",") if t.strip()]
+    surrogates = tuple(x.strip() for x in a.surrogates.split(",") if x.strip())
+    unknown = [x for x in surrogates if x not in SURROGATES]
+    if unknown or not surrogates:
+        raise BenchError(f"--surrogates {a.surrogates!r}: choose from {SURROGATES}")
     cells = []
     for seed in a.seeds:
         pool = inputs.load_prompts(
@@ -67,7 +76,8 @@ def run(a) -> None:
         for c in a.concurrency:
             chosen = [prompts[(seed * 7919 + i) % len(prompts)] for i in range(max(a.prompts, c))]
             cap = max(max(budgets), max(a.batch_budgets)) - 1
-            for m in tt.methods_at(c, a.topk, budgets if c == 1 else a.batch_budgets, cap):
+            per_row = budgets if c == 1 else a.batch_budgets
+            for m in tt.methods_at(c, a.topk, per_row, cap, surrogates):
                 for t in temperatures:
                     cell = tt.run_cell(
                         target, drafter, chosen, m, concurrency=c, temperature=t, seed=seed,

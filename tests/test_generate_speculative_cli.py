@@ -108,6 +108,8 @@ def test_greedy_speculative_equals_plain(dirs, capsys, tmp_path):
         (["--drafter", "{drafter}", "--tree", "2by4"], "TOPKxNODES"),
         (["--drafter", "{drafter}", "--tree", "2x4", "--verify", "padded"], "verify packed"),
         (["--drafter", "{drafter}", "--tree", "2x4", "--policy", "adaflash"], "sizes chains"),
+        (["--drafter", "{drafter}", "--tree", "2x4@head"], "surrogate 'head'.*accept_probs"),
+        (["--drafter", "{drafter}", "--tree", "2x4@vibes"], "unknown tree surrogate"),
         (["--drafter", "{drafter}", "--policy", "tree-batch"], "--mean-nodes"),
         # refused before any verify-cost calibration: the drafter has no acceptance output
         (["--drafter", "{drafter}", "--policy", "goodput", "--estimator", "head"], "accept_probs"),

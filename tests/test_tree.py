@@ -9,6 +9,7 @@ tests/test_sampled_lossless.py.)"""
 
 import dataclasses
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +18,15 @@ import pytest
 from doubles import TableDrafter
 from flax import nnx
 
+from adaflash_jax.decode.drafting import draft_tree
 from adaflash_jax.decode.generate import generate
 from adaflash_jax.decode.goodput.policy import GoodputPolicy
 from adaflash_jax.decode.policy import AdaFlashPolicy, FixedPolicy, TreeBatchPolicy
 from adaflash_jax.decode.programs import compiled_programs
 from adaflash_jax.decode.slots import EngineError, SpeculativeEngine
-from adaflash_jax.decode.tree import NO_NODE, TreeShape, build, top_candidates, walk
+from adaflash_jax.decode.tree import NO_NODE, TreeShape, build, head_scores, top_candidates, walk
 from adaflash_jax.drafter.config import DrafterConfig
+from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.io.cost_table import VerifyCostTable
 from adaflash_jax.model.packing import Packing
 from adaflash_jax.model.presets import target_preset
@@ -281,3 +284,59 @@ def test_what_a_tree_engine_cannot_honour_is_refused(setup):
         _engine(setup, None, TreeBatchPolicy())
     with pytest.raises(EngineError, match="mean_nodes"):
         _engine(setup, TreeShape(topk=2, nodes=4), TreeBatchPolicy(mean_nodes=5))
+    with pytest.raises(EngineError, match="surrogate 'head'.*accept_probs"):
+        _engine(setup, TreeShape(topk=2, nodes=4, surrogate="head"))  # the table has no head
+    with pytest.raises(ValueError, match="surrogate"):
+        TreeShape.parse("2x4@vibes")
+
+
+def test_head_surrogate_scores():
+    """The head's surrogate: a candidate scores log a_d + log q(c) − log q(top); the top-1
+    chain's path score is then Σ log a (the head's survival), siblings scale it by q's
+    ratio; trees built from it rank by it (here the head prefers a shallower, wider tree)."""
+    q1, q2 = [0.6, 0.3, 0.1, 1e-9], [0.8, 0.15, 0.05, 1e-9]
+    logits = jnp.log(jnp.array([[q1, q2, q1]]))  # [1, 3, 4]: K − 1 = 3
+    accept = jnp.array([[0.9, 0.2, 0.2]])
+    spec = types.SimpleNamespace(greedy=True, tree=TreeShape(topk=2, nodes=4, surrogate="head"))
+    tree = draft_tree(None, logits, accept, None, spec)
+    scores, tokens = top_candidates(jax.nn.log_softmax(logits, axis=-1), 2)
+    np.testing.assert_allclose(
+        head_scores(scores, accept)[0, :, 0], np.log([0.9, 0.2, 0.2]), rtol=1e-5
+    )
+    paths = {tuple(p) for p in _paths(tree)}
+    # path probability takes (0) .6, (0,0) .48, (1) .3, (0,0,0) .29; the head's
+    # (0) .9, (1) .45, (0,0) .18, (1,0) .09
+    assert paths == {(0,), (1,), (0, 0), (1, 0)}, paths
+    by_path = build(scores, tokens, TreeShape(2, 4))
+    assert {tuple(p) for p in _paths(by_path)} == {(0,), (0, 0), (1,), (0, 0, 0)}
+    np.testing.assert_allclose(np.exp(tree.logp_BxY[0, :2]), [0.9, 0.45], rtol=1e-4)
+
+
+def _paths(tree):
+    """Each node's candidate ranks from the root (from its tokens: rank = token here)."""
+    out, parent, tokens = [], np.asarray(tree.parent_BxY[0]), np.asarray(tree.tokens_BxY[0])
+    for i in range(len(tokens)):
+        path, j = [], i
+        while True:
+            path.append(int(tokens[j]))
+            if parent[j] == 0:
+                break
+            j = parent[j] - 1
+        out.append(path[::-1])
+    return out
+
+
+@pytest.mark.parametrize("setup", ["test"], indirect=True)
+def test_head_ranked_trees_are_plain_greedy(setup):
+    """Trees ranked by the length head's acceptance (a drafter with its accept output)."""
+    target, plain, _ = setup
+    dcfg = DrafterConfig.for_target(
+        target.config, mask_token_id=V - 1, num_layers=1, block_size=K, num_features=2,
+        length_head=True, accept_dim=8,
+    )  # fmt: skip
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(3))
+    engine = SpeculativeEngine(
+        target, drafter, slots=3, capacity=CAPACITY, eos_ids=(),
+        tree=TreeShape(topk=2, nodes=2 * K, surrogate="head"),
+    )  # fmt: skip
+    assert [r.output_ids for r in engine.generate(REQUESTS)] == plain

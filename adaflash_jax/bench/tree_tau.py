@@ -6,7 +6,8 @@ target runs, so each cell also counts the verify tokens the steps asked for (Σ 
 (the token buckets). Cells are deterministic given (method, concurrency, temperature, seed):
 the seed picks the prompts from the embedded eval set and seeds the sampling.
 
-Methods, by verify tokens per row t (K the drafter's block):
+Methods, by verify tokens per row t (K the drafter's block), each tree ranked by path
+probability and, with `surrogates`, by the length head's acceptance too (`tree.head_scores`):
 - `chain`: the fixed policy, every row its whole block (t = K);
 - `tree t`: every row a tree of t − 1 nodes (a per-row budget, DDTree as published);
 - `batch t`: a tree of up to `cap` nodes per row, t − 1 nodes per running row on average,
@@ -41,14 +42,18 @@ class TreeMethod:
         }
 
 
-def methods_at(concurrency: int, topk: int, budgets, cap: int) -> list[TreeMethod]:
-    """The chain and, per budget t (verify tokens per row), the per-row tree of t − 1 nodes;
-    above one row also batch allocation of the same total, a row taking up to `cap` nodes."""
+def methods_at(concurrency: int, topk: int, budgets, cap: int, surrogates=("path",)):
+    """The chain and, per budget t (verify tokens per row) and surrogate, the per-row tree of
+    t − 1 nodes; above one row also batch allocation of the same total, a row taking up to
+    `cap` nodes (labels name a surrogate other than path probability)."""
     out = [TreeMethod("chain")]
     for t in budgets:
-        out.append(TreeMethod(f"tree {t}", TreeShape(topk, t - 1)))
-        if concurrency > 1:
-            out.append(TreeMethod(f"batch {t}", TreeShape(topk, cap), mean_nodes=t - 1.0))
+        for sur in surrogates:
+            tail = "" if sur == "path" else f" {sur}"
+            out.append(TreeMethod(f"tree {t}{tail}", TreeShape(topk, t - 1, sur)))
+            if concurrency > 1:
+                batch = TreeShape(topk, cap, sur)
+                out.append(TreeMethod(f"batch {t}{tail}", batch, mean_nodes=t - 1.0))
     return out
 
 

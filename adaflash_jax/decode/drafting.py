@@ -46,32 +46,41 @@ def draft(target, drafter: EngineDrafter, s, spec, key=None) -> Draft:
     hidden_BxKxD = jax.lax.stop_gradient(d.hidden_BxKxD)
     logits_BxKm1xV = d.logits_BxKm1xV.astype(jnp.float32)
     policy, active_B = spec.policy, ~s.done_B
+    head_surrogate = spec.tree is not None and spec.tree.surrogate == "head"
+    head_accept_BxKm1 = (
+        drafter.length_head.accept_probs(hidden_BxKxD, logits_BxKm1xV)
+        if policy.needs_accept_head or head_surrogate
+        else None
+    )
     return Draft(
         hidden_BxKxD=hidden_BxKxD,
         logits_BxKm1xV=logits_BxKm1xV,
         length_r_B=drafter.length_head(hidden_BxKxD) if policy.needs_length_head else None,
-        head_accept_BxKm1=(
-            drafter.length_head.accept_probs(hidden_BxKxD, logits_BxKm1xV)
-            if policy.needs_accept_head
-            else None
-        ),
+        head_accept_BxKm1=head_accept_BxKm1,
         active_B=active_B,
         num_running=jnp.sum(active_B.astype(jnp.int32)),
         buckets=spec.buckets,
         token_buckets=spec.token_buckets,
-        tree=None if spec.tree is None else draft_tree(key, logits_BxKm1xV, s, spec),
+        tree=(
+            None
+            if spec.tree is None
+            else draft_tree(key, logits_BxKm1xV, head_accept_BxKm1, s, spec)
+        ),
     )
 
 
-def draft_tree(key, logits_BxKm1xV, s, spec) -> tree.Tree:
+def draft_tree(key, logits_BxKm1xV, head_accept_BxKm1, s, spec) -> tree.Tree:
     """Greedy: each position's top-k by the drafter's distribution at temperature 1 (the
     one-hot limit would rank nothing). Sampled: k draws without replacement from the
-    distribution drafts are sampled from (`draft_probs`), which the walk's rejection reads."""
+    distribution drafts are sampled from (`draft_probs`), which the walk's rejection reads.
+    Scored by the tree's surrogate (the head's: `head_accept_BxKm1`)."""
     k = spec.tree.topk
     if spec.greedy:
         scores, tokens = tree.top_candidates(jax.nn.log_softmax(logits_BxKm1xV, axis=-1), k)
     else:
         scores, tokens = tree.sampled_candidates(key, draft_probs(logits_BxKm1xV, s, spec), k)
+    if spec.tree.surrogate == "head":
+        scores = tree.head_scores(scores, head_accept_BxKm1)
     return tree.build(scores, tokens, spec.tree)
 
 

@@ -56,7 +56,8 @@ class Result:
 
 
 NO_ACCEPT_OUTPUT = (
-    "the policy reads per-position acceptance from the length head (estimator 'head'), but this "
+    "the policy (estimator 'head') or the tree (surrogate 'head') reads per-position acceptance "
+    "from the length head, but this "
     f"drafter has no accept_probs output: its acceptance part ({ACCEPT_FILE}) is missing, e.g. "
     "after a transformers save_pretrained, or was never trained (draft.accept_dim = 0). "
     "Re-attach it with `python -m experiments.export RUN --out DIR` from the run's checkpoint"
@@ -177,7 +178,8 @@ class SpeculativeEngine:
                 )
             except PolicyError as e:
                 raise EngineError(str(e)) from None
-            if policy.needs_accept_head and not has_accept_output(drafter):
+            head_surrogate = tree is not None and tree.surrogate == "head"
+            if (policy.needs_accept_head or head_surrogate) and not has_accept_output(drafter):
                 raise EngineError(NO_ACCEPT_OUTPUT)
         self.spec = EngineSpec(
             block_size=k,

@@ -9,7 +9,9 @@ A DFlash block pass gives one distribution per draft position d = 1..K−1, and 
 on the tokens drafted before it. So the candidates for a node at depth d are the Kc most
 likely tokens of position d, whatever its parent, and a node's path probability is the
 product of its path's per-position probabilities (the surrogate for the chance the target
-accepts the whole path). `build` selects the Y nodes of largest path probability best-first
+accepts the whole path; `TreeShape.surrogate` "head" instead rescales the length head's
+per-position acceptance of the top candidate by each candidate's probability relative to
+it, `head_scores`). `build` selects the Y nodes of largest path probability best-first
 (DDTree): each selected node offers two candidates, its first child (the best token one
 position deeper) and its next sibling (its parent's next best token), so every node is
 offered exactly once and no candidate beats the node that offered it. The selection is
@@ -37,18 +39,23 @@ import jax.numpy as jnp
 from flax import struct
 
 NO_NODE = -1e30  # a log path probability no real node has (a slot the selection left empty)
+SURROGATES = ("path", "head")  # a candidate's score: its log q, or the head's (`head_scores`)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-    """A static tree size: `topk` candidates per position, `nodes` selected per row."""
+    """A static tree: `topk` candidates per position, `nodes` selected per row, ranked by
+    `surrogate` (SURROGATES)."""
 
     topk: int
     nodes: int
+    surrogate: str = "path"
 
     def __post_init__(self):
         if self.topk < 1 or self.nodes < 1:
             raise ValueError(f"a tree needs topk >= 1 and nodes >= 1, got {self}")
+        if self.surrogate not in SURROGATES:
+            raise ValueError(f"unknown tree surrogate {self.surrogate!r}; choose from {SURROGATES}")
 
     @property
     def row_width(self) -> int:
@@ -57,14 +64,17 @@ class TreeShape:
 
     @classmethod
     def parse(cls, text: str) -> TreeShape:
-        """'TOPKxNODES', e.g. '2x16': 2 candidates per position, 16 nodes a row."""
-        topk, sep, nodes = str(text).lower().partition("x")
+        """'TOPKxNODES[@SURROGATE]', e.g. '2x16': 2 candidates per position, 16 nodes a row;
+        '2x16@head': ranked by the length head's acceptance."""
+        shape, _, surrogate = str(text).lower().partition("@")
+        topk, sep, nodes = shape.partition("x")
         if not (sep and topk.strip().isdigit() and nodes.strip().isdigit()):
-            raise ValueError(f"a tree is TOPKxNODES (e.g. 2x16), got {text!r}")
-        return cls(topk=int(topk), nodes=int(nodes))
+            raise ValueError(f"a tree is TOPKxNODES[@SURROGATE] (e.g. 2x16), got {text!r}")
+        return cls(topk=int(topk), nodes=int(nodes), surrogate=surrogate.strip() or "path")
 
     def __str__(self) -> str:
-        return f"{self.topk}x{self.nodes}"
+        tail = "" if self.surrogate == "path" else f"@{self.surrogate}"
+        return f"{self.topk}x{self.nodes}{tail}"
 
 
 @struct.dataclass
@@ -110,6 +120,17 @@ def sampled_candidates(key, q_BxKm1xV, topk: int):
     top, _ = jax.lax.top_k(log_q, topk)
     scores = jnp.where(jnp.isfinite(top), top, NO_NODE)
     return scores, tokens.astype(jnp.int32)
+
+
+def head_scores(scores_BxKm1xKc, accept_BxKm1):
+    """The "head" surrogate: a candidate's score is log a_d + its log q − the top
+    candidate's, a_d the head's acceptance at position d (so the top-1 chain's path score
+    is the head's own survival estimate and a sibling's scales it by q's ratio). Like the
+    scores it rescales, it never depends on a sampled tree's draws."""
+    log_a_BxKm1 = jnp.log(jnp.clip(accept_BxKm1.astype(jnp.float32), 1e-6, 1.0))
+    live = scores_BxKm1xKc > NO_NODE / 2
+    rel = scores_BxKm1xKc - scores_BxKm1xKc[..., :1]
+    return jnp.where(live, log_a_BxKm1[..., None] + rel, NO_NODE)
 
 
 def build(scores_BxKm1xKc, tokens_BxKm1xKc, shape: TreeShape) -> Tree:

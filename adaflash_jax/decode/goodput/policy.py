@@ -52,7 +52,7 @@ from adaflash_jax.decode.policy import (
 from adaflash_jax.io.cost_table import VerifyCostTable
 
 ESTIMATORS = ("confidence", "length_head", "head")
-TREE_ESTIMATORS = ("confidence",)  # a tree node's survival is its path probability
+TREE_ESTIMATORS = ("confidence",)  # a tree node's survival is its own score (its surrogate)
 PRIOR_RATE = 0.2  # EMA weight of one drafted step's mean estimate in a fresh request's prior
 
 
@@ -82,8 +82,9 @@ def accept_probs(draft: Draft, estimator: str) -> jax.Array:
 
 
 def survival(draft: Draft, estimator: str) -> jax.Array:
-    """[B, Y]: the chance each node is accepted: a chain's Π_{j<=i} a_j, a tree node's path
-    probability (0 for a slot the selection left empty)."""
+    """[B, Y]: the chance each node is accepted: a chain's Π_{j<=i} a_j, a tree node's
+    exponentiated score (its path probability, or the head's surrogate; 0 for a slot the
+    selection left empty)."""
     if draft.tree is not None:
         return jnp.exp(jnp.maximum(draft.tree.logp_BxY, -1e4))  # NO_NODE: exactly 0
     return chain_survival(accept_probs(draft, estimator))
@@ -167,7 +168,8 @@ class GoodputPolicy:
         if tree is not None and self.estimator not in TREE_ESTIMATORS:
             raise PolicyError(
                 f"goodput's {self.estimator!r} estimator scores chain positions; a draft "
-                f"tree's nodes are scored by path probability: use estimator 'confidence'"
+                f"tree's nodes carry their own scores (path probability, or the head's with "
+                f"a tree TOPKxNODES@head): use estimator 'confidence'"
             )
         if tree is not None and not fills:
             raise PolicyError("goodput over draft trees fills packed verify's token buckets")
