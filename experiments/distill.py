@@ -5,7 +5,11 @@
     python -m experiments.distill --target DIR --init-drafter DFLASH_DIR --run-dir runs/x
 
 `--set a.b=v` overrides any config field (repeatable); the explicit flags are shorthands.
-Re-running with the same --run-dir resumes. SIGTERM saves a checkpoint and exits (code 143).
+Re-running with the same --run-dir resumes, with the config it started with: another one is
+refused, naming the fields, unless every change is declared safe (adaflash_jax/distill/
+resume.py: eval.*, logging, checkpoint cadence, more stage-2 rounds where nothing follows
+them) or --allow-config-change is given (recorded in <run-dir>/config_changes.jsonl).
+SIGTERM saves a checkpoint and exits (code 143).
 Every error ends as one line: status 2 for a bad flag or config, 1 for bad data (a prompt file
 with more broken lines than data.max_bad_lines, a malformed checkpoint), 3 for a non-finite
 stop, a storage fault or a lost peer process (multi-process runs); adaflash_jax/cli.py.
@@ -44,6 +48,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", help="data,fsdp,tensor (one may be -1)")
     p.add_argument("--seed", type=int)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a --run-dir with a config that differs from its config.json "
+        "(recorded in config_changes.jsonl)",
+    )
     return p.parse_args(argv)
 
 
@@ -77,7 +87,12 @@ def run(args) -> None:
         value = getattr(args, flag)
         if value is not None:
             sets[field] = f"({value})" if flag == "mesh" else value
-    pipeline.run(override(cfg, sets), run_dir=args.run_dir, progress=not args.no_progress)
+    pipeline.run(
+        override(cfg, sets),
+        run_dir=args.run_dir,
+        progress=not args.no_progress,
+        allow_config_change=args.allow_config_change,
+    )
 
 
 if __name__ == "__main__":

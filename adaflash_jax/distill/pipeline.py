@@ -2,14 +2,15 @@
 (AdaFlash and its comparisons, equal compute) → τ per domain → export → report.
 
 Run directory layout:
-  config.json, drafter_config.json, report.json, tau.png, losses.png
+  config.json, drafter_config.json, report.json, tau.png, losses.png, config_changes.jsonl
   data/{train,eval}/           regenerated greedy responses (reused when fingerprints match)
   ckpt/<stage>/                orbax checkpoints per stage (resume point)
   stage2/<method>/round<r>/    on-policy trajectories of each round
   export/<method>/             HF DFlash/AdaFlash drafters (export/adaflash is the product)
   tb/                          TensorBoard scalars
 Re-running with the same run directory resumes: finished stages restore from their final
-checkpoint, an interrupted stage continues from its latest one.
+checkpoint, an interrupted stage continues from its latest one. A resume keeps config.json's
+recipe: another one is refused or recorded in config_changes.jsonl (`distill/resume.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from adaflash_jax.distill import calibration, schedule
+from adaflash_jax.distill import calibration, resume, schedule
 from adaflash_jax.distill import prompts as P
 from adaflash_jax.distill import report as R
 from adaflash_jax.distill.batches import SequenceData
@@ -120,15 +121,26 @@ def _datasets(ctx: Context, target_split, mesh) -> Datasets:
     return Datasets(train, evals, train_ids, eval_ids, pool, ids)
 
 
-def _write_config(ctx: Context) -> None:
-    if not ctx.is_main:
-        return
-    fs.write_text(ctx.path("config.json"), json.dumps(dataclasses.asdict(ctx.cfg), indent=2))
-    save_drafter_config(ctx.drafter_cfg, ctx.run_dir)
+def _write_config(ctx: Context, allow_config_change: bool) -> None:
+    """config.json (a resume with another recipe is refused or recorded: `distill.resume`),
+    then drafter_config.json."""
+    resume.check_and_record(
+        ctx.run_dir, ctx.cfg, allow_change=allow_config_change, write=ctx.is_main
+    )
+    if ctx.is_main:
+        save_drafter_config(ctx.drafter_cfg, ctx.run_dir)
 
 
-def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) -> dict:
-    """Validates, then runs everything; returns the report (also written to report.json)."""
+def run(
+    cfg: RunConfig,
+    *,
+    run_dir: str | None = None,
+    progress: bool = True,
+    allow_config_change: bool = False,
+) -> dict:
+    """Validates, then runs everything; returns the report (also written to report.json).
+    `allow_config_change`: resume a run directory whose config.json differs from `cfg` in
+    fields not declared safe (`distill.resume`), recording the change."""
     from adaflash_jax.train.mesh import maybe_initialize_distributed
 
     d = cfg.distributed
@@ -139,7 +151,8 @@ def run(cfg: RunConfig, *, run_dir: str | None = None, progress: bool = True) ->
     )
     t0 = time.perf_counter()
     ctx = prepare(cfg, run_dir=run_dir, progress=progress)
-    return run_prepared(dataclasses.replace(ctx, progress=progress), t0=t0)
+    ctx = dataclasses.replace(ctx, progress=progress)
+    return run_prepared(ctx, t0=t0, allow_config_change=allow_config_change)
 
 
 PROCESSES_FILE = "processes.json"
@@ -162,11 +175,13 @@ def check_process_count(ctx: Context) -> None:
         fs.write_text(path, json.dumps({"process_count": now}))
 
 
-def run_prepared(ctx: Context, *, t0: float | None = None) -> dict:
+def run_prepared(
+    ctx: Context, *, t0: float | None = None, allow_config_change: bool = False
+) -> dict:
     t0 = time.perf_counter() if t0 is None else t0
     cfg = ctx.cfg
     check_process_count(ctx)
-    _write_config(ctx)
+    _write_config(ctx, allow_config_change)
     if ctx.is_main:
         print(f"run directory: {ctx.run_dir}", flush=True)
     timings: dict[str, float] = {}
