@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 
 from adaflash_jax.bench.engines import speculative_generate
@@ -27,6 +28,7 @@ from adaflash_jax.drafter.checkpoint import load_drafter, thinking_mode
 from adaflash_jax.embedded import default_target_dir as embedded_target_dir
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
+from adaflash_jax.model.target import VERIFY_ATTENTION
 from adaflash_jax.tokenizer import Tokenizer
 
 
@@ -63,13 +65,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(@head) the length head's acceptance",
     )
     s.add_argument("--mean-nodes", type=float, help="--policy tree-batch: nodes per row")
+    s.add_argument(
+        "--verify-attention",
+        choices=VERIFY_ATTENTION,
+        default="xla",
+        help="the verify pass's attention: xla, or the Pallas TPU kernel (pallas; interpret: "
+        "the kernel interpreted, any backend)",
+    )
     s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
     s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
     s.add_argument("--no-skip-draft", action="store_true", help="goodput: no plain steps")
     a = p.parse_args(argv)
     spec_only = a.block_size or a.slots or a.policy != "fixed" or a.cost_table or a.tree
-    if a.drafter is None and (spec_only or a.verify):
-        p.error("--block-size/--slots/--policy/--cost-table/--verify/--tree need --drafter")
+    if a.drafter is None and (spec_only or a.verify or a.verify_attention != "xla"):
+        p.error(
+            "--block-size/--slots/--policy/--cost-table/--verify/--tree/--verify-attention "
+            "need --drafter"
+        )
     if a.policy != "goodput" and (a.estimator or a.no_skip_draft):
         p.error("--estimator/--no-skip-draft are options of --policy goodput")
     if (a.policy == "tree-batch") != (a.mean_nodes is not None):
@@ -126,7 +138,14 @@ def run(args) -> None:
     target_dir = args.target or os.fspath(embedded_target_dir())
     has_tok = os.path.isfile(os.path.join(target_dir, "tokenizer.json"))
     tok = Tokenizer(target_dir) if has_tok else None
-    model = load_target(target_dir, dtype=getattr(jnp, args.dtype))
+    if args.verify_attention == "pallas" and jax.default_backend() != "tpu":
+        raise GenerateError(
+            f"--verify-attention pallas compiles a TPU kernel; this backend is "
+            f"{jax.default_backend()} (use xla, or interpret to check the kernel here)"
+        )
+    model = load_target(
+        target_dir, dtype=getattr(jnp, args.dtype), verify_attention=args.verify_attention
+    )
     prompts = build_requests(args, tok)
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_ids=eos)

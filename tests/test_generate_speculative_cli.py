@@ -81,6 +81,8 @@ def test_greedy_speculative_equals_plain(dirs, capsys, tmp_path):
     for tree in (
         ["--tree", "1x2"],
         ["--tree", "2x5", "--policy", "tree-batch", "--mean-nodes", "2"],
+        # the verify attention as the Pallas kernel (interpreted on CPU)
+        ["--tree", "2x5", "--verify-attention", "interpret"],
         # goodput fills the token bucket with the best nodes of both rows, or steps plainly
         ["--tree", "2x5", "--policy", "goodput", "--cost-table",
          _tree_cost_table(tmp_path / "tree_cost.json", 3, "2x5", 2)],
@@ -110,6 +112,8 @@ def test_greedy_speculative_equals_plain(dirs, capsys, tmp_path):
         (["--drafter", "{drafter}", "--tree", "2x4", "--policy", "adaflash"], "sizes chains"),
         (["--drafter", "{drafter}", "--tree", "2x4@head"], "surrogate 'head'.*accept_probs"),
         (["--drafter", "{drafter}", "--tree", "2x4@vibes"], "unknown tree surrogate"),
+        (["--drafter", "{drafter}", "--verify-attention", "pallas"], "TPU kernel; this backend"),
+        (["--verify-attention", "interpret"], "need --drafter"),
         (["--drafter", "{drafter}", "--policy", "tree-batch"], "--mean-nodes"),
         # refused before any verify-cost calibration: the drafter has no acceptance output
         (["--drafter", "{drafter}", "--policy", "goodput", "--estimator", "head"], "accept_probs"),

@@ -340,3 +340,20 @@ def test_head_ranked_trees_are_plain_greedy(setup):
         tree=TreeShape(topk=2, nodes=2 * K, surrogate="head"),
     )  # fmt: skip
     assert [r.output_ids for r in engine.generate(REQUESTS)] == plain
+
+
+@pytest.mark.parametrize("setup", ["test", "test-hybrid"], indirect=True)
+def test_the_verify_kernel_decodes_plain_greedy(setup):
+    """The target's verify attention as the Pallas kernel (interpreted here; it compiles for
+    TPU in tests/test_ragged_attention.py): trees, per-row budgets and the chain still
+    decode plain greedy token for token."""
+    target, plain, drafter = setup
+    kernel_target = TargetLM(target.config, rngs=nnx.Rngs(0), verify_attention="interpret")
+    for tree, policy in ((TreeShape(topk=2, nodes=K), None), (None, FixedPolicy())):
+        engine = SpeculativeEngine(
+            kernel_target, drafter, slots=3, capacity=CAPACITY, eos_ids=(), tree=tree,
+            policy=policy, verify="packed",
+        )  # fmt: skip
+        assert [r.output_ids for r in engine.generate(REQUESTS)] == plain
+    with pytest.raises(ValueError, match="verify_attention"):
+        TargetLM(target.config, rngs=nnx.Rngs(0), verify_attention="cuda")

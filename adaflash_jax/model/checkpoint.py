@@ -203,17 +203,24 @@ def load_target(
     mesh: Mesh | None = None,
     rules: Rules = DECODE_RULES,
     chunk: int = DEFAULT_CHUNK,
+    verify_attention: str = "xla",
 ) -> TargetLM:
     """Builds the model abstractly, then materialises each weight (sharded when `mesh`).
-    `chunk`: a hybrid's Gated DeltaNet chunk length (`TargetLM`)."""
+    `chunk`: a hybrid's Gated DeltaNet chunk length; `verify_attention`: its verify pass's
+    attention (`TargetLM`)."""
     path = os.fspath(path)
     config = TargetConfig.from_pretrained(path)
     param_dtype = param_dtype or dtype
     files = open_weight_files(path)
     model = nnx.eval_shape(
         lambda: TargetLM(
-            config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, chunk=chunk
-        )
+            config,
+            rngs=nnx.Rngs(0),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            chunk=chunk,
+            verify_attention=verify_attention,
+        )  # fmt: skip
     )
     prefix = (
         MULTIMODAL_PREFIX if f"{MULTIMODAL_PREFIX}embed_tokens.weight" in files else TEXT_PREFIX

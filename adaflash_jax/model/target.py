@@ -46,9 +46,11 @@ from adaflash_jax.model.layers import (
 )
 from adaflash_jax.model.moe import MoEBlock
 from adaflash_jax.model.packing import Packing, to_rows, to_tokens
+from adaflash_jax.model.ragged_attention import ragged_attend_cached
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 CACHE_MODES = ("write", "read")
+VERIFY_ATTENTION = ("xla", "pallas", "interpret")  # `TargetLM(verify_attention=...)`
 
 
 @struct.dataclass
@@ -63,7 +65,7 @@ class TargetOutput:
 
 
 class Attention(AttentionProjections):
-    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype, verify_attention="xla"):
         super().__init__(
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -78,6 +80,7 @@ class Attention(AttentionProjections):
             output_gate=cfg.is_hybrid,
             zero_centered_norms=cfg.is_hybrid,
         )
+        self.verify_attention = verify_attention  # static: VERIFY_ATTENTION
 
     def __call__(
         self,
@@ -112,19 +115,25 @@ class Attention(AttentionProjections):
             return self.output(attend(q, k_all, v_all, mask_BxTxS), gate), cache
         k, v = (e.astype(q.dtype) for e in (entries.k_BxTxKvxDh, entries.v_BxTxKvxDh))
         visible = None if packing is None else packing.visible_BxWxW  # a tree's ancestors
-        out = attend_cached(q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v, visible)
+        args = (q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v, visible)
+        if self.verify_attention == "xla":
+            out = attend_cached(*args)
+        else:  # the kernel reads each row's committed cache only
+            out = ragged_attend_cached(*args, interpret=self.verify_attention == "interpret")
         return self.output(to_tokens(packing, out), gate), entries
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype, chunk):
+    def __init__(
+        self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype, chunk, verify_attention
+    ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         norm_kw = dict(
             eps=cfg.rms_norm_eps, zero_centered=cfg.is_hybrid, dtype=dtype, param_dtype=param_dtype
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
         linear = cfg.is_linear_layer(layer)
-        self.self_attn = None if linear else Attention(cfg, **kw)
+        self.self_attn = None if linear else Attention(cfg, verify_attention=verify_attention, **kw)
         self.linear_attn = GatedDeltaNet(cfg, chunk=chunk, **kw) if linear else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
         if cfg.is_moe_layer(layer):
@@ -171,8 +180,17 @@ class TargetLM(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         chunk: int = DEFAULT_CHUNK,
+        verify_attention: str = "xla",
     ):
-        """`chunk`: the Gated DeltaNet's chunk length for training and prefill (hybrids)."""
+        """`chunk`: the Gated DeltaNet's chunk length for training and prefill (hybrids).
+        `verify_attention` (VERIFY_ATTENTION): how a verify pass attends over the cache and
+        its new tokens: "xla" (`layers.attend_cached`), "pallas" (the TPU kernel
+        `ragged_attention.py`, which reads each row's committed cache only), "interpret"
+        (that kernel in Pallas' interpreter, any backend: for checking it)."""
+        if verify_attention not in VERIFY_ATTENTION:
+            raise ValueError(
+                f"verify_attention {verify_attention!r}: choose from {VERIFY_ATTENTION}"
+            )
         self.config = config
         self.dtype = dtype
         self.embed_tokens = nnx.Param(
@@ -182,8 +200,14 @@ class TargetLM(nnx.Module):
         self.layers = nnx.List(
             [
                 DecoderLayer(
-                    config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype, chunk=chunk
-                )
+                    config,
+                    i,
+                    rngs=rngs,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    chunk=chunk,
+                    verify_attention=verify_attention,
+                )  # fmt: skip
                 for i in range(config.num_hidden_layers)
             ]
         )
