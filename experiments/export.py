@@ -6,8 +6,11 @@ python -m experiments.export runs/tiny-XXXX --for vllm         # plain DFlash la
 python -m experiments.export runs/tiny-XXXX/export/adaflash --for tpu-inference --out DIR
 
 --for adaflash (default) and sglang write the AdaFlash layout (length head in
-model.safetensors); vllm, tpu-inference and sglang-jax a plain DFlash drafter. What the chosen
-stack serves differently from our engine is printed as `warning:` lines.
+model.safetensors); vllm, tpu-inference and sglang-jax a plain DFlash drafter, and say first
+that they leave the length head out. What the chosen stack serves differently from our engine
+is printed as `warning:` lines. Each export directory gets a README.md: the stack, the version
+checked, its launch command, what it leaves out, the τ of the run's report.json
+(adaflash_jax/drafter/serving.py holds these facts; docs/serving.md quotes them).
 """
 
 from __future__ import annotations

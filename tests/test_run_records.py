@@ -116,3 +116,84 @@ def test_which_changes_are_safe():
     # a field only one side has (a config.json from another version) is a difference
     old = {**resume.resolved(cfg), "retired": 1}
     assert resume.unsafe_changes(old, resume.resolved(cfg)) == {"retired": (1, resume.MISSING)}
+
+
+def _export(capfd, argv) -> tuple[str, list[str]]:
+    from experiments import export as export_cli
+
+    assert export_cli.main(argv) == 0
+    err = capfd.readouterr().err
+    return err, [line for line in err.splitlines() if line.strip()]
+
+
+def test_each_export_explains_itself(workflow, capfd, caplog):
+    """`--for vllm` from the run's checkpoint: a README.md with the stack, the version read,
+    its launch command at the export's K, the length head it leaves out and the run's τ; the
+    drop is the first `warning:` line; orbax's absl records never reach a handler (pytest's
+    own catches them from stderr, so `caplog` is where they would show)."""
+    from adaflash_jax.drafter.serving import SERVING, render
+
+    run_dir = workflow["run_dir"]
+    report = json.loads(_read(os.path.join(run_dir, "report.json")))
+    out = os.path.join(run_dir, "for-vllm")
+    with caplog.at_level("INFO"):
+        err, lines = _export(capfd, [run_dir, "--for", "vllm", "--out", out])
+    assert not [r.getMessage() for r in caplog.records if "orbax" in r.pathname]
+    assert lines and all(line.startswith("warning: ") for line in lines), err
+    assert lines[0].startswith("warning: --for vllm leaves out the length head"), err
+    assert "absl" not in err and "orbax" not in err.lower(), err
+    readme = _read(os.path.join(out, "README.md"))
+    assert readme.startswith("# DFlash drafter for vLLM (GPU)")
+    assert "commit 036a00d1" in readme and "layout: plain DFlash" in readme
+    assert '"num_speculative_tokens": 3}' in readme  # K − 1 at the export's K = 4
+    assert render(SERVING["vllm"].launch, 4) in readme
+    left_out = readme.split("## Left out")[1].split("##")[0]
+    assert "the length head" in left_out
+    tau = report["tau"]["stage1"]  # the checkpoint exported is stage 1's
+    mean = sum(tau.values()) / len(tau)
+    assert f"τ {mean:.3f}" in readme and all(f"{d} {t:.3f}" in readme for d, t in tau.items())
+    assert "checkpoint `stage1` step 2" in readme
+
+    # tpu-inference names the wheel CI runs; the AdaFlash layout drops nothing
+    out = os.path.join(run_dir, "for-tpu")
+    _export(capfd, [os.path.join(run_dir, "export", "adaflash"), "--for", "tpu-inference",
+                    "--out", out])  # fmt: skip
+    assert "tpu-inference==0.32.0" in _read(os.path.join(out, "README.md"))
+    out = os.path.join(run_dir, "for-adaflash")
+    err, _ = _export(capfd, [os.path.join(run_dir, "export", "adaflash"), "--out", out])
+    assert "leaves out" not in err, err
+    readme = _read(os.path.join(out, "README.md"))
+    assert "nothing: our engine reads it all" in readme
+    assert "`adaflash` drafter" in readme  # an export directory of the run: its method's τ
+
+
+def test_an_export_outside_a_run_says_tau_was_not_measured(tmp_path, capfd):
+    from flax import nnx
+
+    from adaflash_jax.drafter.checkpoint import save_drafter
+    from adaflash_jax.drafter.config import DrafterConfig
+    from adaflash_jax.drafter.model import Drafter
+    from adaflash_jax.model.presets import target_preset
+
+    cfg = DrafterConfig.for_target(
+        target_preset("test", vocab_size=96), mask_token_id=95, num_layers=1, block_size=4
+    )
+    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0)), tmp_path / "d")
+    out = str(tmp_path / "sg")
+    _, lines = _export(capfd, [str(tmp_path / "d"), "--for", "sglang-jax", "--out", out])
+    assert lines[0].startswith("warning: --for sglang-jax leaves out the length head")
+    readme = _read(os.path.join(out, "README.md"))
+    assert "Not measured" in readme and "commit cddbf6f1" in readme
+    assert "--speculative-num-draft-tokens 4" in readme
+
+
+def test_docs_quote_the_library_launch_commands():
+    """docs/serving.md and the export READMEs show the same commands (at K = 16)."""
+    from adaflash_jax.drafter.serving import SERVING, render
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = _read(os.path.join(root, "docs", "serving.md"))
+    for s in SERVING.values():
+        assert render(s.launch, 16) in docs, s.stack
+        if s.head_launch is not None:
+            assert render(s.head_launch[1], 16) in docs, s.stack
