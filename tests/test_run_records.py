@@ -105,6 +105,7 @@ def test_which_changes_are_safe():
     cfg = RunConfig()
     assert _unsafe(cfg, **{"eval.temperatures": "(0, 1.0)", "log_every": "5"}) == {}
     assert _unsafe(cfg, **{"checkpoint.every": "7", "distributed.init_timeout_s": "9"}) == {}
+    assert _unsafe(cfg, run_dir="'runs/x'") == {}  # --set run_dir= then --run-dir: one place
     assert list(_unsafe(cfg, **{"seed": "1", "eval.slots": "4"})) == ["seed"]
     # more rounds: safe only when no stage follows them (head re-fit, stage1_long)
     assert list(_unsafe(cfg, **{"stage2.rounds": "3"})) == ["stage2.rounds"]

@@ -28,6 +28,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # Fields (or whole sections, "eval.*") whose change leaves what the run trains as it was.
 SAFE_FIELDS = (
     "eval.*",  # τ is measured again on every start, from the final checkpoints
+    "run_dir",  # where, not what: `--run-dir` or `--set run_dir=` name the same directory
     "log_every",
     "checkpoint.every",
     "checkpoint.keep",
