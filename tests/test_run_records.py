@@ -166,6 +166,10 @@ def test_each_export_explains_itself(workflow, capfd, caplog):
     readme = _read(os.path.join(out, "README.md"))
     assert "nothing: our engine reads it all" in readme
     assert "`adaflash` drafter" in readme  # an export directory of the run: its method's τ
+    # the run's own export says so too, with the τ its report holds
+    readme = _read(os.path.join(run_dir, "export", "adaflash", "README.md"))
+    tau = report["tau"]["adaflash"]
+    assert f"τ {sum(tau.values()) / len(tau):.3f}" in readme and "`dflash/`" in readme
 
 
 def test_an_export_outside_a_run_says_tau_was_not_measured(tmp_path, capfd):

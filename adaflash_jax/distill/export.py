@@ -34,7 +34,7 @@ from adaflash_jax.drafter.config import DrafterConfig
 from adaflash_jax.drafter.hf_config import config_from_hf, config_to_hf
 from adaflash_jax.drafter.model import Drafter
 from adaflash_jax.drafter.serving import dropped_warning, export_readme
-from adaflash_jax.drafter.stacks import last_layer_warning, save_for_stack
+from adaflash_jax.drafter.stacks import last_layer_warning, save_for_stack, stack_warnings
 from adaflash_jax.io import fs
 from adaflash_jax.io.safetensors_io import SafetensorsFile
 from adaflash_jax.model.checkpoint import CheckpointError
@@ -134,6 +134,22 @@ def export_drafter(
     if note := last_layer_warning(drafter.config):
         warnings.warn(note, UserWarning, stacklevel=2)
     return path
+
+
+def describe_run_export(path: str, cfg: DrafterConfig, *, run_dir: str, method: str) -> None:
+    """README.md of a run's own export of `method` (`export_drafter`'s AdaFlash directory),
+    once report.json holds its τ: our engine's launch, and where the plain copy is."""
+    notes = stack_warnings(cfg, "adaflash")
+    if w := last_layer_warning(cfg):
+        notes.append(w)
+    source = (
+        f"the run {run_dir}, its final `{method}` drafter (`{PLAIN_SUBDIR}/` holds the plain "
+        f"DFlash copy; `python -m experiments.export {path} --for STACK` writes each stack's "
+        "layout with its own README)"
+    )
+    tau = measured_tau(run_dir, method)
+    text = export_readme(cfg, "adaflash", source=source, tau=tau, notes=notes)
+    fs.write_text(fs.join(path, README), text)
 
 
 def save_drafter_config(cfg: DrafterConfig, run_dir: str) -> None:

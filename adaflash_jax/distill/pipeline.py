@@ -6,7 +6,7 @@ Run directory layout:
   data/{train,eval}/           regenerated greedy responses (reused when fingerprints match)
   ckpt/<stage>/                orbax checkpoints per stage (resume point)
   stage2/<method>/round<r>/    on-policy trajectories of each round
-  export/<method>/             HF DFlash/AdaFlash drafters (export/adaflash is the product)
+  export/<method>/             HF DFlash/AdaFlash drafters, README.md (adaflash: the product)
   tb/                          TensorBoard scalars
 Re-running with the same run directory resumes: finished stages restore from their final
 checkpoint, an interrupted stage continues from its latest one. A resume keeps config.json's
@@ -33,7 +33,12 @@ from adaflash_jax.distill.batches import SequenceData
 from adaflash_jax.distill.config import ConfigError, RunConfig
 from adaflash_jax.distill.context import Context, encode_prompts, prepare
 from adaflash_jax.distill.evaluation import extra_evaluations
-from adaflash_jax.distill.export import export_drafter, prompt_format, save_drafter_config
+from adaflash_jax.distill.export import (
+    describe_run_export,
+    export_drafter,
+    prompt_format,
+    save_drafter_config,
+)
 from adaflash_jax.distill.loop import Preempted
 from adaflash_jax.distill.regenerate import regenerate_dataset
 from adaflash_jax.distill.stages import Stage2Pool, Trainer, evaluate
@@ -341,6 +346,10 @@ def _report(ctx: Context, results, timings, wall_s, data: Datasets) -> dict:
     }
     if ctx.is_main:
         R.write_json(ctx.path("report.json"), report)
+        for method in results["exports"]:  # each export's README quotes its τ
+            describe_run_export(
+                ctx.path("export", method), ctx.drafter_cfg, run_dir=ctx.run_dir, method=method
+            )
         R.plot_tau(ctx.path("tau.png"), tau, extra.get("tau_sampled"))
         print("\n" + R.table(tau), flush=True)
         print(R.extra_tables(extra), end="", flush=True)
