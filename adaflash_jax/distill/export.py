@@ -143,9 +143,9 @@ def describe_run_export(path: str, cfg: DrafterConfig, *, run_dir: str, method: 
     if w := last_layer_warning(cfg):
         notes.append(w)
     source = (
-        f"the run {run_dir}, its final `{method}` drafter (`{PLAIN_SUBDIR}/` holds the plain "
-        f"DFlash copy; `python -m experiments.export {path} --for STACK` writes each stack's "
-        "layout with its own README)"
+        f"by the distillation run {run_dir}: its final `{method}` drafter "
+        f"(`{PLAIN_SUBDIR}/` holds the plain DFlash copy; `python -m experiments.export "
+        f"{path} --for STACK` writes each stack's layout with its own README)"
     )
     tau = measured_tau(run_dir, method)
     text = export_readme(cfg, "adaflash", source=source, tau=tau, notes=notes)
@@ -196,7 +196,8 @@ def export_checkpoint(
                     f"checkpoint {ckpt_dir}/{step} does not fit {cfg_path}: {e}"
                 ) from None
     stage = ckpt_dir.rsplit("/", 1)[1]
-    source = f"checkpoint `{stage}` step {step} of the run {run_dir}"
+    source = f"by `python -m experiments.export` from checkpoint `{stage}` step {step} of "
+    source += run_dir
     tau = measured_tau(run_dir, measured_drafter(stage))
     return write_for_stack(nnx.merge(graphdef, params), out, stack, source=source, tau=tau)
 
@@ -218,5 +219,10 @@ def convert_export(src: str, out: str, *, stack: str) -> list[str]:
         run_dir = os.sep.join(parts[:-2])
     tau = measured_tau(run_dir, drafter)
     return write_for_stack(
-        load_drafter(src), out, stack, source=f"the export {src}", tau=tau, dtype=stored
+        load_drafter(src),
+        out,
+        stack,
+        source=f"by `python -m experiments.export` from the export {src}",
+        tau=tau,
+        dtype=stored,
     )

@@ -154,9 +154,10 @@ def dropped_warning(cfg: DrafterConfig, name: str) -> str | None:
 
 
 def export_readme(cfg: DrafterConfig, name: str, *, source: str, tau: str, notes: list[str]) -> str:
-    """README.md of an export for stack `name`: the stack, the version checked, the launch
-    command, what it leaves out, the τ the run measured (`tau`, a sentence) and the stack's
-    other differences from our engine (`notes`, the export's warnings)."""
+    """README.md of an export for stack `name` (`source`: "by … from …"): the stack, the
+    version checked, the launch command, what it leaves out, the τ the run measured (`tau`,
+    a sentence) and the stack's other differences from our engine (`notes`, the export's
+    warnings)."""
     s = SERVING[stack(name).name]
     layout = "AdaFlash (length head in model.safetensors)"
     if not stack(name).length_head:
@@ -165,7 +166,7 @@ def export_readme(cfg: DrafterConfig, name: str, *, source: str, tau: str, notes
     lines = [
         f"# DFlash drafter for {s.title}",
         "",
-        f"Written by `python -m experiments.export` from {source}.",
+        f"Written {source}.",
         "",
         f"- Stack: {s.title} (`--for {s.stack}`); layout: {layout}.",
         f"- Version checked: {s.checked}.",
