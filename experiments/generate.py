@@ -18,17 +18,18 @@ import os
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.bench.engines import speculative_generate
-from adaflash_jax.cli import int_list, one_line_errors, tree_shape
-from adaflash_jax.decode.build import POLICY_NAMES
+from adaflash_jax.bench.engines import (
+    add_engine_arguments,
+    check_engine_arguments,
+    policy_options,
+    speculative_generate,
+)
+from adaflash_jax.cli import int_list, one_line_errors
 from adaflash_jax.decode.generate import GenerateError, generate
-from adaflash_jax.decode.goodput.policy import ESTIMATORS
-from adaflash_jax.decode.slots import VERIFY_LAYOUTS
 from adaflash_jax.drafter.checkpoint import load_drafter, thinking_mode
 from adaflash_jax.embedded import default_target_dir as embedded_target_dir
 from adaflash_jax.model.checkpoint import load_target
 from adaflash_jax.model.config import ConfigError
-from adaflash_jax.model.target import VERIFY_ATTENTION
 from adaflash_jax.tokenizer import Tokenizer
 
 
@@ -52,40 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    s = p.add_argument_group("speculative decoding (with --drafter)")
-    s.add_argument("--drafter", help="DFlash/AdaFlash drafter dir: decode speculatively")
-    s.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    s.add_argument("--policy", choices=POLICY_NAMES, default="fixed", help="verify width")
-    s.add_argument("--slots", type=int, default=None, help="default: one per prompt")
-    s.add_argument("--verify", choices=VERIFY_LAYOUTS, help="packed: each row's own tokens")
-    s.add_argument(
-        "--tree",
-        type=tree_shape,
-        help="TOPKxNODES[@head]: verify draft trees (packed), ranked by path probability or "
-        "(@head) the length head's acceptance",
-    )
-    s.add_argument("--mean-nodes", type=float, help="--policy tree-batch: nodes per row")
-    s.add_argument(
-        "--verify-attention",
-        choices=VERIFY_ATTENTION,
-        default="xla",
-        help="the verify pass's attention: xla, or the Pallas TPU kernel (pallas; interpret: "
-        "the kernel interpreted, any backend)",
-    )
-    s.add_argument("--cost-table", help="cost-table JSON for goodput (default: measured)")
-    s.add_argument("--estimator", choices=ESTIMATORS, help="goodput's acceptance estimate")
-    s.add_argument("--no-skip-draft", action="store_true", help="goodput: no plain steps")
+    add_engine_arguments(p.add_argument_group("speculative decoding (with --drafter)"))
     a = p.parse_args(argv)
-    spec_only = a.block_size or a.slots or a.policy != "fixed" or a.cost_table or a.tree
-    if a.drafter is None and (spec_only or a.verify or a.verify_attention != "xla"):
-        p.error(
-            "--block-size/--slots/--policy/--cost-table/--verify/--tree/--verify-attention "
-            "need --drafter"
-        )
-    if a.policy != "goodput" and (a.estimator or a.no_skip_draft):
-        p.error("--estimator/--no-skip-draft are options of --policy goodput")
-    if (a.policy == "tree-batch") != (a.mean_nodes is not None):
-        p.error("--mean-nodes goes with --policy tree-batch, and it needs it")
+    check_engine_arguments(p, a)
     return a
 
 
@@ -123,15 +93,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     with one_line_errors():
         run(args)
-
-
-def policy_options(args) -> dict | None:
-    if args.policy == "tree-batch":
-        return {"mean_nodes": args.mean_nodes}
-    if args.policy != "goodput":
-        return None
-    options = {"skip_draft": not args.no_skip_draft}
-    return options | ({"estimator": args.estimator} if args.estimator else {})
 
 
 def run(args) -> None:

@@ -15,8 +15,9 @@ accumulator in VMEM scratch). The row's new tokens come last, masked by `visible
 tree's ancestors-or-self; the causal mask for a chain). Scores and the softmax run in
 float32, as in `attend_cached`.
 
-Checked in interpret mode against `attend_cached` on CPU (tests/test_ragged_attention.py);
-it is not yet the engine's attention (design §5.6 "Not yet").
+Checked in interpret mode against `attend_cached` on CPU, and compiled by Mosaic for v5e
+deviceless (tests/test_ragged_attention.py); opt-in (`TargetLM(verify_attention="pallas")`)
+until it has run on a TPU (docs/design.md §5.6).
 """
 
 from __future__ import annotations
