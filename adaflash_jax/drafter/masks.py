@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from adaflash_jax.model import ring_cache
 from adaflash_jax.model.layers import attend
 
 
@@ -37,14 +38,11 @@ class DenseMask:
 
 def context_visible(key_pos_BxC, anchor_B, block_size: int, window: int | None):
     """bool [B, K, C]: block position k (at `anchor + k`) sees the context key at position
-    `key_pos` iff 0 <= key_pos < anchor and, in a window W, key_pos > anchor + k − W."""
-    key_pos_Bx1xC = key_pos_BxC[:, None, :]
-    anchor_Bx1x1 = anchor_B[:, None, None]
-    visible = (key_pos_Bx1xC >= 0) & (key_pos_Bx1xC < anchor_Bx1x1)
-    if window is not None:
-        query_pos_1xKx1 = jnp.arange(block_size, dtype=jnp.int32)[None, :, None]
-        visible &= key_pos_Bx1xC > anchor_Bx1x1 + query_pos_1xKx1 - window
-    return jnp.broadcast_to(visible, (anchor_B.shape[0], block_size, key_pos_BxC.shape[1]))
+    `key_pos` iff 0 <= key_pos < anchor and, in a window W, key_pos > anchor + k − W (the
+    window rule of `model/ring_cache.visible`)."""
+    query_pos_BxK = anchor_B[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    seen_BxKxC = ring_cache.visible(key_pos_BxC, anchor_B, query_pos_BxK, window)
+    return jnp.broadcast_to(seen_BxKxC, (anchor_B.shape[0], block_size, key_pos_BxC.shape[1]))
 
 
 def decode_mask(context_len_B, context_capacity: int, block_size: int, window=None):
@@ -59,11 +57,12 @@ def decode_mask(context_len_B, context_capacity: int, block_size: int, window=No
 def window_slots(context_len_B, window: int):
     """The W − 1 context positions a window-W block can see: [B, W−1] int32, from
     `len − W + 1` (negative where the context is shorter; masked by `context_visible`)."""
-    return context_len_B[:, None] - (window - 1) + jnp.arange(window - 1, dtype=jnp.int32)
+    return ring_cache.window_positions(context_len_B, window)
 
 
 def windowed_mask(slots_BxW, context_len_B, block_size: int, window: int):
-    """Serving over the gathered `window_slots` only → bool [B, K, (W−1) + K]."""
+    """Serving over the W − 1 entries at `window_slots` only (gathered from a full cache, or
+    a `RingKVLayer`'s window) → bool [B, K, (W−1) + K]."""
     return _with_block(context_visible(slots_BxW, context_len_B, block_size, window))
 
 

@@ -8,7 +8,8 @@ arrays (`embedding_VxD`, `lm_head_DxV`) on every call. Target features are fused
 committed token (`fc` → `hidden_norm`) and injected as extra keys/values into every layer;
 the fused context skips each layer's input norm and MLP. Queries come from the block only.
 A sliding-window layer (`DrafterConfig.layer_types`) sees only the context keys within its
-window (`masks.context_visible`); in serving it reads only those W − 1 cache entries.
+window (`masks.context_visible`); in serving its context cache is a ring buffer of those
+W − 1 entries (`model/ring_cache.RingKVLayer`), so its memory is constant past the window.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from adaflash_jax.drafter.train_attention import DEFAULT_CHUNK, BlockSparse
 from adaflash_jax.model.cache import Cache
 from adaflash_jax.model.kv_cache import KVEntries, KVLayer
 from adaflash_jax.model.layers import AttentionProjections, Dense, RMSNorm, SwiGLU
+from adaflash_jax.model.ring_cache import RingKVLayer
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
 
 
@@ -108,11 +110,22 @@ class Drafter(nnx.Module):
         """Target features of committed tokens → one context vector per token."""
         return self.hidden_norm(self.fc(features_BxTxnD))
 
-    def init_context_cache(self, batch: int, capacity: int, dtype=None) -> Cache:
-        """Per drafter layer the context keys/values of every committed token (`KVLayer`)."""
+    def init_context_cache(
+        self, batch: int, capacity: int, dtype=None, *, ring_windows: bool = True
+    ) -> Cache:
+        """Per drafter layer the context keys/values of the committed tokens: every one
+        (`KVLayer` of `capacity`) in a full layer; in a sliding layer whose W − 1 visible
+        entries are fewer than `capacity`, only those (`RingKVLayer`; `ring_windows=False`:
+        a full `KVLayer` read through the same window, the reference it must equal)."""
         cfg, dtype = self.config, dtype or self.dtype
         kv = dict(kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=dtype)
-        layers = [KVLayer.create(batch=batch, capacity=capacity, **kv) for _ in self.layers]
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            window = cfg.layer_window(i)
+            if ring_windows and window is not None and window - 1 < capacity:
+                layers.append(RingKVLayer.create(batch=batch, window=window, **kv))
+            else:
+                layers.append(KVLayer.create(batch=batch, capacity=capacity, **kv))
         return Cache.create(layers, batch=batch, capacity=capacity, dtype=dtype)
 
     def context_entries(self, cache: Cache, features_BxTxnD) -> tuple[KVEntries, ...]:
@@ -124,8 +137,7 @@ class Drafter(nnx.Module):
         entries = []
         for layer, layer_cache in zip(self.layers, cache.layers):
             k, v = layer.self_attn.keys_values(ctx_BxTxD, positions_BxT)
-            dtype = layer_cache.k_BxSxKvxDh.dtype
-            entries.append(KVEntries(k.astype(dtype), v.astype(dtype)))
+            entries.append(KVEntries(k.astype(layer_cache.dtype), v.astype(layer_cache.dtype)))
         return tuple(entries)
 
     def append_context(self, cache: Cache, features_BxTxnD, num_new_B=None) -> Cache:
@@ -140,8 +152,8 @@ class Drafter(nnx.Module):
         """Drafts K−1 tokens after each row's last committed token, in one forward pass.
 
         The bonus token sits at position `cache.lengths[b]`: the context holds features of
-        every committed token before it. A sliding layer whose window is shorter than the
-        cache gathers the W − 1 entries its window can see and reads nothing else.
+        every committed token before it. A sliding layer reads only the W − 1 entries its
+        window can see: its ring buffer's, or those gathered from a longer full cache.
         """
         cfg = self.config
         b, k = bonus_B.shape[0], cfg.block_size
@@ -149,16 +161,12 @@ class Drafter(nnx.Module):
             [bonus_B[:, None], jnp.full((b, k - 1), cfg.mask_token_id, bonus_B.dtype)], axis=1
         )
         positions_BxK = cache.positions(k)
-        views = {}  # (window, capacity) → (gathered slots [B, W−1] or None, mask)
+        masks_by_view = {}  # the layers' shared masks, by (kind, window, size)
         x = jnp.take(embedding_VxD, block_BxK, axis=0).astype(self.dtype)
         for i, layer in enumerate(self.layers):
-            window, ctx = cfg.layer_window(i), cache.layers[i]
-            if (window, ctx.capacity) not in views:
-                views[window, ctx.capacity] = _serving_view(cache.lengths, ctx.capacity, k, window)
-            slots_BxW, mask = views[window, ctx.capacity]
-            ctx_k, ctx_v = ctx.k_BxSxKvxDh, ctx.v_BxSxKvxDh
-            if slots_BxW is not None:
-                ctx_k, ctx_v = _gather_slots(ctx_k, slots_BxW), _gather_slots(ctx_v, slots_BxW)
+            ctx_k, ctx_v, mask = _context_view(
+                cache.layers[i], cache.lengths, k, cfg.layer_window(i), masks_by_view
+            )
             x = layer(x, positions_BxK, ctx_k, ctx_v, mask)
         hidden_BxKxD = self.norm(x)
         logits = jnp.dot(hidden_BxKxD[:, 1:], lm_head_DxV.astype(self.dtype))
@@ -222,12 +230,28 @@ class Drafter(nnx.Module):
         return jnp.dot(hidden.astype(self.dtype), lm_head_DxV.astype(self.dtype))
 
 
-def _serving_view(lengths_B, capacity: int, block_size: int, window: int | None):
-    """(slots [B, W−1] to gather, or None to read the whole cache; the block's mask)."""
-    if window is None or window - 1 >= capacity:
-        return None, masks.DenseMask(masks.decode_mask(lengths_B, capacity, block_size, window))
-    slots_BxW = masks.window_slots(lengths_B, window)
-    return slots_BxW, masks.DenseMask(masks.windowed_mask(slots_BxW, lengths_B, block_size, window))
+def _context_view(ctx, lengths_B, block_size: int, window: int | None, masks_by_view: dict):
+    """A layer's context keys, values [B, C, Kv, Dh] and block mask: a ring's window, the
+    W − 1 entries gathered from a full cache longer than the window, or the whole cache.
+    Masks are computed once per (kind, window, size) and shared through `masks_by_view`."""
+    if isinstance(ctx, RingKVLayer):
+        ctx_k, ctx_v, positions_BxW = ctx.read(lengths_B)
+        view = ("ring", window, ctx.slots)
+    elif window is not None and window - 1 < ctx.capacity:
+        positions_BxW = masks.window_slots(lengths_B, window)
+        ctx_k = _gather_slots(ctx.k_BxSxKvxDh, positions_BxW)
+        ctx_v = _gather_slots(ctx.v_BxSxKvxDh, positions_BxW)
+        view = ("gathered", window, ctx.capacity)
+    else:
+        ctx_k, ctx_v, positions_BxW = ctx.k_BxSxKvxDh, ctx.v_BxSxKvxDh, None
+        view = ("full", window, ctx.capacity)
+    if view not in masks_by_view:
+        if positions_BxW is None:
+            mask = masks.decode_mask(lengths_B, ctx.capacity, block_size, window)
+        else:
+            mask = masks.windowed_mask(positions_BxW, lengths_B, block_size, window)
+        masks_by_view[view] = masks.DenseMask(mask)
+    return ctx_k, ctx_v, masks_by_view[view]
 
 
 def _gather_slots(cache_BxSxKvxDh, slots_BxW):

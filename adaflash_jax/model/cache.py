@@ -4,9 +4,10 @@ Dimensions: L layers, B rows, T new tokens per row (one pass), Z committed path 
 
 A model's decode cache is a tuple of per-layer caches plus each row's committed length
 (`lengths`: where its next token goes, the same for every layer). A layer cache is a small
-pytree of its own kind (`LayerCache`): attention K/V (`kv_cache.KVLayer`), a Gated DeltaNet's
-recurrent state (`recurrent_state.RecurrentState`), the drafter's context K/V (a `KVLayer` of
-projected target features). Each keeps its own storage and capacity.
+pytree of its own kind (`LayerCache`): attention K/V (`kv_cache.KVLayer`), a sliding-window
+layer's ring buffer of its window (`ring_cache.RingKVLayer`), a Gated DeltaNet's recurrent
+state (`recurrent_state.RecurrentState`), the drafter's context K/V (`KVLayer`s, rings in its
+sliding layers, of projected target features). Each keeps its own storage and capacity.
 
 Only a kind's `commit` writes a cache. Called with its cache in "read" mode (the engine's
 verify), a layer only reads it and returns, besides its output, its per-token *entries* for
@@ -19,9 +20,10 @@ lengths.
 
 `commit(entries, lengths_B, path_BxZ, n_B)` keeps, per row, the first `n_B[b]` tokens of the
 path `path_BxZ[b]` (indices into the pass's T tokens, in order; None: 0..T−1, a chain), as
-positions `lengths_B[b] + 0..n_B[b]−1`. A new kind adds one class with that method (a ring
-buffer writes at a position modulo its window; a latent cache stores one compressed entry
-per token) and the layer that returns its entries; nothing else changes.
+positions `lengths_B[b] + 0..n_B[b]−1`. A new kind adds one class with that method (the ring
+buffer writes the kept entries at their position modulo its window − 1 slots; a latent cache
+would store one compressed entry per token) and the layer that returns its entries; nothing
+else changes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Dh head dim.
 Entries at positions >= a row's length are stale and never read: attention masks by absolute
 position, and the next commit overwrites them. So dropping tokens (rollback) only moves the
 lengths (`model/cache.py`). The drafter's context cache is a cache of this kind too: the
-keys/values its layers project from the committed tokens' target features.
+keys/values its full-attention layers project from the committed tokens' target features
+(its sliding-window layers keep a `ring_cache.RingKVLayer` of the window instead).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class KVLayer:
     @property
     def capacity(self) -> int:
         return self.k_BxSxKvxDh.shape[1]
+
+    @property
+    def dtype(self):
+        return self.k_BxSxKvxDh.dtype
 
     def commit(self, entries: KVEntries, lengths_B, path_BxZ, n_B) -> KVLayer:
         """Writes the path's entries at `lengths_B + 0..Z−1` (the contiguous write: those past
