@@ -252,3 +252,14 @@ def test_checker_names_file_line_and_reference_of_each_broken_one(fake_repo: Pat
         assert any(p.startswith(want) for p in problems), f"{want!r} not in:\n" + "\n".join(
             problems
         )
+
+
+def test_the_stack_wheels_the_suite_runs_are_the_ones_installed_and_documented():
+    """README command (2) and `.ci/run` install the vLLM, SGLang and tpu-inference wheels at
+    the versions `drafter/stacks.py` pins, and docs/serving.md names the same."""
+    from adaflash_jax.drafter.stacks import SGLANG, TPU_INFERENCE, VLLM
+
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    serving = (ROOT / "docs" / "serving.md").read_text()
+    for pin in (f"vllm=={VLLM}", f"sglang=={SGLANG}", f"tpu-inference=={TPU_INFERENCE}"):
+        assert pin in readme and pin in ci and pin in serving, pin

@@ -145,7 +145,7 @@ def test_each_export_explains_itself(workflow, capfd, caplog):
     assert "absl" not in err and "orbax" not in err.lower(), err
     readme = _read(os.path.join(out, "README.md"))
     assert readme.startswith("# DFlash drafter for vLLM (GPU)")
-    assert "commit 036a00d1" in readme and "layout: plain DFlash" in readme
+    assert "the PyPI wheel vllm==0.34.0" in readme and "layout: plain DFlash" in readme
     assert '"num_speculative_tokens": 3}' in readme  # K − 1 at the export's K = 4
     assert render(SERVING["vllm"].launch, 4) in readme
     left_out = readme.split("## Left out")[1].split("##")[0]

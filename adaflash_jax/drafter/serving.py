@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from adaflash_jax.drafter.config import DrafterConfig
-from adaflash_jax.drafter.stacks import TPU_INFERENCE, stack
+from adaflash_jax.drafter.stacks import SGLANG, TPU_INFERENCE, VLLM, stack
 
 SGLANG_HEAD_PR = 34171  # the SGLang pull request that serves the length head
 
@@ -65,9 +65,10 @@ SERVING = {
         Serving(
             stack="sglang",
             title="SGLang (GPU)",
-            checked="source read: sgl-project/sglang python/sglang/srt/models/dflash.py at "
-            "commit 003b23d7, speculative/dflash_utils.py at 00731f0b; the length head: "
-            f"pull request #{SGLANG_HEAD_PR} (not in a release)",
+            checked=f"run: the PyPI wheel sglang=={SGLANG}, its DFLASH server arguments, draft "
+            "model config, loader and drafter forward on this layout "
+            "(tests/test_sglang_export.py); the length head: "
+            f"pull request #{SGLANG_HEAD_PR} (not in a release, source read)",
             section="docs/serving.md §1",
             launch=_SGLANG,
             head_launch=(
@@ -81,8 +82,8 @@ SERVING = {
         Serving(
             stack="vllm",
             title="vLLM (GPU)",
-            checked="source read: vllm-project/vllm "
-            "vllm/model_executor/models/qwen3_dflash.py at commit 036a00d1",
+            checked=f"run: the PyPI wheel vllm=={VLLM}, its speculative config, loader and "
+            "DFlash drafter forward on this layout (tests/test_vllm_export.py)",
             section="docs/serving.md §2",
             launch=f"vllm serve TARGET \\\n    --speculative-config {_VLLM_CONFIG}",
         ),

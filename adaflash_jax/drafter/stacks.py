@@ -9,7 +9,8 @@ Two layouts (docs/design.md §6):
   names (tpu-inference: "thresh_head_two_model.down.bias is not a valid param path").
 
 The warnings name what a stack would serve differently from our engine, as read in each
-stack's source at the versions docs/serving.md lists (tpu-inference: run, `TPU_INFERENCE`).
+stack's source at the versions docs/serving.md lists; the wheels the suite runs are pinned here
+(tpu-inference `TPU_INFERENCE`, vLLM `VLLM`, SGLang `SGLANG`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from adaflash_jax.model.config import ConfigError
 
 # The tpu-inference wheel whose DFlash model and loader tests/test_tpu_inference_export.py runs.
 TPU_INFERENCE = "0.32.0"
+# The vLLM and SGLang wheels whose DFlash config paths and loaders tests/test_vllm_export.py
+# and tests/test_sglang_export.py run on CPU.
+VLLM = "0.34.0"
+SGLANG = "0.5.23"
 # RoPE θ tpu-inference's DFlash model falls back to when the config object has no attribute.
 TPU_INFERENCE_THETA = 1_000_000.0
 ROPE_PATCH = "docs/patches/tpu_inference_dflash_rope.patch"
@@ -65,7 +70,7 @@ STACKS = {
             length_head=False,
             rope_from_config=True,
             rope_scaling=True,
-            sliding_window=False,  # as read: its DFlash window pull request 40898 was closed
+            sliding_window=True,  # run: VLLM's qwen3_dflash takes layer_types and sliding_window
             last_layer=None,
         ),
         ServingStack(
