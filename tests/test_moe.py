@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -298,3 +299,59 @@ def test_config_errors_name_the_problem(hf_dirs):
         TargetConfig.from_hf_dict({**raw, "num_experts_per_tok": 6})
     with pytest.raises(ConfigError, match=r"mlp_only_layers \[7\]"):
         TargetConfig.from_hf_dict({**raw, "mlp_only_layers": [7]})
+
+
+def test_gpt_oss_variant_matches_transformers():
+    """MoEVariant(router_bias, expert_bias, clamped_swiglu, softmax_after_topk) == transformers'
+    GptOssMLP with random weights; its interleaved gate_up_proj maps to gate_proj / up_proj."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from adaflash_jax.model.moe import MoEVariant
+
+    e, d, f, k = 6, 16, 12, 2
+    cfg = transformers.GptOssConfig(
+        hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k
+    )
+    hf = GptOssMLP(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():  # large enough that the ±limit clamps bite
+            p.copy_(torch.randn(p.shape, generator=gen))
+    variant = MoEVariant(
+        router_bias=True,
+        expert_bias=True,
+        activation="clamped_swiglu",
+        alpha=cfg.swiglu_alpha,
+        limit=cfg.swiglu_limit,
+        softmax_after_topk=True,
+    )
+    ours = MoEBlock(
+        d,
+        f,
+        e,
+        k,
+        norm_topk_prob=False,
+        rngs=nnx.Rngs(0),
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        variant=variant,
+    )
+    t = {n: p.detach().numpy() for n, p in hf.named_parameters()}
+    ours.gate.kernel[...] = t["router.weight"].T
+    ours.gate.bias[...] = t["router.bias"]
+    ours.gate_proj[...] = t["experts.gate_up_proj"][..., ::2]
+    ours.up_proj[...] = t["experts.gate_up_proj"][..., 1::2]
+    ours.gate_proj_bias[...] = t["experts.gate_up_proj_bias"][..., ::2]
+    ours.up_proj_bias[...] = t["experts.gate_up_proj_bias"][..., 1::2]
+    ours.down_proj[...] = t["experts.down_proj"]
+    ours.down_proj_bias[...] = t["experts.down_proj_bias"]
+    x = np.random.default_rng(0).normal(size=(2, 9, d)).astype(np.float32)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(x))[0].numpy()
+        gate_up = torch.from_numpy(x).reshape(-1, d) @ hf.experts.gate_up_proj[0]
+    assert (gate_up[:, ::2] > cfg.swiglu_limit).any() and (
+        gate_up[:, 1::2].abs() > cfg.swiglu_limit
+    ).any()
+    got = np.asarray(jax.jit(lambda m, x: m(x))(ours, jnp.asarray(x)))
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
