@@ -1,6 +1,7 @@
 """The Pallas verify-attention kernel (model/ragged_attention.py), in interpret mode on CPU,
 against the XLA reference `layers.attend_cached`: chains (causal) and trees (ancestor masks),
-ragged row lengths from 0 to the capacity, grouped-query heads, several tiles per row."""
+ragged row lengths from 0 to the capacity, grouped-query heads, several tiles per row; with
+gpt-oss's attention sinks and sliding window (tiles before the window skipped)."""
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,30 @@ def test_kernel_equals_the_xla_reference(tree, tile):
     visible = _tree_visible(tile) if tree else None
     want = attend_cached(q, ck, cv, lengths, nk, nv, visible)
     got = ragged_attend_cached(q, ck, cv, lengths, nk, nv, visible, tile=tile, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_kernel_with_sinks_and_window_equals_the_xla_reference(tree, window):
+    """gpt-oss: sink logits per head (some large, so they take most of the mass) and a
+    sliding window shorter than a tile, longer than one, or none; cache entries before each
+    row's window are NaN, so a skipped tile that were read would show."""
+    q, ck, cv, nk, nv = _inputs(7)
+    lengths = jnp.array([0, 5, 33, S - W], jnp.int32)
+    sinks = jnp.array([0.5, -1.0, 3.0, 8.0], jnp.float32)
+    visible = _tree_visible(3) if tree else None
+    depth = jnp.arange(W, dtype=jnp.int32)[None]
+    if tree:  # a token's position is its row's length plus its depth
+        depth = jnp.sum(visible, axis=2).astype(jnp.int32) - 1
+    positions = lengths[:, None] + depth
+    kw = dict(sinks_H=sinks, window=window, positions_BxT=positions)
+    want = attend_cached(q, ck, cv, lengths, nk, nv, visible, **kw)
+    if window is not None:
+        before_BxS = jnp.arange(S)[None, :] < (lengths - window + 1)[:, None] - 8
+        ck, cv = (jnp.where(before_BxS[..., None, None], jnp.nan, c) for c in (ck, cv))
+    got = ragged_attend_cached(q, ck, cv, lengths, nk, nv, visible, **kw, tile=8, interpret=True)
+    assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -91,3 +116,7 @@ def test_kernel_compiles_for_tpu():
     compiled = jax.jit(ragged_attend_cached, static_argnames=("tile",)).lower(*args, tile=128)
     assert "tpu_custom_call" in compiled.as_text()
     compiled.compile()
+    gpt_oss = dict(sinks_H=arg((h,), jnp.float32), positions_BxT=arg((b, w), jnp.int32))
+    jax.jit(ragged_attend_cached, static_argnames=("tile", "window")).lower(
+        *args, **gpt_oss, window=128, tile=128
+    ).compile()  # sinks and a sliding window

@@ -8,7 +8,12 @@ A MoE layer's experts are stored one tensor per expert
 stacked [E, ...] arrays. Qwen3.5 checkpoints as users have them (docs/design.md §2.1): the
 multimodal `Qwen3_5ForConditionalGeneration` keeps the decoder under `model.language_model.`
 beside a vision tower (`model.visual.`), and may carry multi-token-prediction weights (`mtp.`);
-the decoder is read, those are skipped, and the skip is logged once.
+the decoder is read, those are skipped, and the skip is logged once. gpt-oss (docs/design.md
+§2.3) stores its experts fused with the gate and up columns interleaved
+(`mlp.experts.gate_up_proj` [E, D, 2F]: [..., 0::2] gate, [..., 1::2] up; its bias likewise;
+`down_proj` [E, F, D]), as float tensors or as MXFP4 `*_blocks` + `*_scales` (`model/mxfp4.py`,
+dequantized at load); the router is `mlp.router`, each head's sink `self_attn.sinks`. A save
+writes the float form.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from adaflash_jax.io.safetensors_io import SafetensorsFile, save_file
 from adaflash_jax.model.config import TargetConfig
 from adaflash_jax.model.delta_rule import DEFAULT_CHUNK
 from adaflash_jax.model.moe import MoEBlock
+from adaflash_jax.model.mxfp4 import Mxfp4Weight
 from adaflash_jax.model.target import DecoderLayer, TargetLM
 from adaflash_jax.sharding.rules import DECODE_RULES, Rules, variable_sharding
 
@@ -87,9 +93,17 @@ def layer_param_table(layer, prefix: str) -> dict[str, tuple[nnx.Variable, bool]
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             table[f"{prefix}self_attn.{name}.weight"] = (getattr(attn, name).kernel, True)
+            if getattr(attn, name).bias is not None:
+                table[f"{prefix}self_attn.{name}.bias"] = (getattr(attn, name).bias, False)
+        if isinstance(layer, DecoderLayer) and attn.sinks is not None:
+            table[f"{prefix}self_attn.sinks"] = (attn.sinks, False)
         if attn.q_norm is not None:
             table[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, False)
             table[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, False)
+    if isinstance(layer.mlp, MoEBlock) and layer.family == "gpt_oss":
+        table[f"{prefix}mlp.router.weight"] = (layer.mlp.gate.kernel, True)
+        table[f"{prefix}mlp.router.bias"] = (layer.mlp.gate.bias, False)
+        return table
     if isinstance(layer.mlp, MoEBlock):
         table[f"{prefix}mlp.gate.weight"] = (layer.mlp.gate.kernel, True)
         if layer.mlp.shared_expert is not None:
@@ -116,7 +130,7 @@ def expert_param_table(
     every one stored transposed as [out, in]."""
     out = []
     for i, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, MoEBlock):
+        if not isinstance(layer.mlp, MoEBlock) or layer.family == "gpt_oss":
             continue
         for name in ("gate_proj", "up_proj", "down_proj"):
             var = getattr(layer.mlp, name)
@@ -126,6 +140,72 @@ def expert_param_table(
             ]
             out.append((var, names))
     return out
+
+
+# gpt-oss: our MoEBlock parameter → (its tensor under `mlp.experts.`, which interleaved half
+# of the last axis it is: 0 the gate's, 1 the up projection's, None the whole tensor)
+GPT_OSS_EXPERTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "gate_proj_bias": ("gate_up_proj_bias", 0),
+    "up_proj_bias": ("gate_up_proj_bias", 1),
+    "down_proj_bias": ("down_proj_bias", None),
+}
+MXFP4_PARTS = ("_blocks", "_scales")  # an MXFP4 tensor X is stored as X_blocks + X_scales
+
+
+def gpt_oss_expert_table(
+    model: TargetLM, prefix: str = TEXT_PREFIX
+) -> list[tuple[nnx.Variable, str, int | None]]:
+    """Each gpt-oss expert parameter (stacked [E, ...], in HF's orientation already) with its
+    fused HF tensor and interleaved half (`GPT_OSS_EXPERTS`)."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoEBlock) and layer.family == "gpt_oss":
+            for ours, (hf, half) in GPT_OSS_EXPERTS.items():
+                var = getattr(layer.mlp, ours)
+                out.append((var, f"{prefix}layers.{i}.mlp.experts.{hf}", half))
+    return out
+
+
+class _Interleaved:
+    """One half of a tensor's interleaved last axis ([..., half::2]), read lazily."""
+
+    def __init__(self, view, half: int):
+        self._view, self._half = view, half
+        self.shape = (*view.shape[:-1], view.shape[-1] // 2)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        *lead, last = index
+        lo, hi, step = last.indices(self.shape[-1])
+        full = np.asarray(self._view[(*lead, slice(2 * lo, 2 * max(hi, lo)))])
+        return full[..., self._half :: 2][..., ::step]
+
+
+def _gpt_oss_expert_view(files, name: str, half: int | None, want: tuple[int, ...]):
+    """Our [E, ...] view of gpt-oss expert tensor `name`: float, or MXFP4 dequantized."""
+    hf_want = (*want[:-1], want[-1] * 2) if half is not None else want
+    if name in files:
+        view = _checked_view(files, name, False, hf_want)
+    else:
+        blocks, scales = (f"{name}{part}" for part in MXFP4_PARTS)
+        e, d_in, d_out = hf_want
+        shapes = {blocks: (e, d_out, d_in // 32, 16), scales: (e, d_out, d_in // 32)}
+        for part, shape in shapes.items():
+            if d_in % 32 or files[part].shape(part) != shape:
+                raise CheckpointError(
+                    f"tensor {part!r} has shape {list(files[part].shape(part))} but config.json "
+                    f"implies {list(shape)} (MXFP4 of [{e}, {d_in}, {d_out}])"
+                )
+            if files[part].dtype(part) != np.dtype(np.uint8):
+                raise CheckpointError(
+                    f"tensor {part!r} has dtype {files[part].dtype(part)}; "
+                    "MXFP4 blocks and scales are uint8"
+                )
+        view = Mxfp4Weight(files[blocks].get(blocks), files[scales].get(scales))
+    return view if half is None else _Interleaved(view, half)
 
 
 def fused_expert_names(names: list[str]) -> tuple[str, str]:
@@ -226,10 +306,14 @@ def load_target(
         MULTIMODAL_PREFIX if f"{MULTIMODAL_PREFIX}embed_tokens.weight" in files else TEXT_PREFIX
     )
     table, experts = hf_param_table(model, prefix), expert_param_table(model, prefix)
+    gpt_oss = gpt_oss_expert_table(model, prefix)
     fused = {n: fused_expert_names(names)[0] for _, names in experts for n in names}
     fused = {n: f for n, f in fused.items() if f in files and n not in files}
     expected, present = set(table), set(files)
     expected.update(fused.get(n, n) for _, names in experts for n in names)
+    for _, name, _ in gpt_oss:  # float, or MXFP4 blocks + scales where those are stored
+        mxfp4 = name not in files and f"{name}{MXFP4_PARTS[0]}" in files
+        expected.update(f"{name}{part}" for part in MXFP4_PARTS) if mxfp4 else expected.add(name)
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters write the tied copy anyway
     present = {n for n in present if not n.endswith("rotary_emb.inv_freq")}
@@ -263,6 +347,9 @@ def load_target(
         want = tuple(var.get_value().shape[1:])
         views = [_checked_view(files, name, True, want) for name in names]
         var.set_value(_materialise(views, True, var, param_dtype, mesh, rules))
+    for var, name, half in gpt_oss:
+        view = _gpt_oss_expert_view(files, name, half, tuple(var.get_value().shape))
+        var.set_value(_materialise([view], False, var, param_dtype, mesh, rules))
     return model
 
 
@@ -300,7 +387,8 @@ def _materialise(views: list, stacked: bool, var, param_dtype, mesh, rules) -> j
 
 def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None:
     """Writes config.json + model.safetensors that `transformers` and `load_target` read (a
-    text-only CausalLM; experts one tensor each, as transformers 5 writes them)."""
+    text-only CausalLM; experts one tensor each, as transformers 5 writes them; gpt-oss's
+    fused and interleaved, in float)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = {}
@@ -315,6 +403,13 @@ def save_target(model: TargetLM, path: str | os.PathLike, *, dtype=None) -> None
     for var, names in expert_param_table(model):
         arr = host(var)
         tensors.update({n: np.ascontiguousarray(arr[e].T) for e, n in enumerate(names)})
+    for var, name, half in gpt_oss_expert_table(model):  # gate and up interleaved again
+        arr = host(var)
+        if half is None:
+            tensors[name] = np.ascontiguousarray(arr)
+            continue
+        fused = tensors.setdefault(name, np.empty((*arr.shape[:-1], 2 * arr.shape[-1]), arr.dtype))
+        fused[..., half::2] = arr
     save_file(tensors, os.path.join(path, "model.safetensors"))
     cfg = model.config.to_hf_dict()
     saved_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype

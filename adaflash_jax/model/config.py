@@ -5,8 +5,10 @@ layer either the dense SwiGLU MLP or a routed mixture of SwiGLU experts, `model/
 the hybrid Qwen3.5 / Qwen3.6 family (docs/design.md §2.1: `qwen3_5_text`, `qwen3_5_moe_text`,
 and their multimodal wrappers `qwen3_5`, `qwen3_5_moe`, whose `text_config` is the decoder):
 per layer a Gated DeltaNet (`linear_attention`) or a gated full attention layer, the MoE one
-with a shared expert on every layer. The config is architecture only; dtypes are chosen when a
-model is built or loaded.
+with a shared expert on every layer; and gpt-oss (`gpt_oss`, docs/design.md §2.3): every layer
+a mixture of biased experts with the clamped SwiGLU, attention with q/k/v/o biases and a sink
+logit per head, sliding-window (`sliding_attention`) and full layers alternating, YaRN RoPE.
+The config is architecture only; dtypes are chosen when a model is built or loaded.
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ import dataclasses
 import os
 from typing import Any
 
-from adaflash_jax.model.hf_fields import (  # noqa: F401 (ConfigError, RopeScaling, read_rope: re-exported)
+from adaflash_jax.model.hf_fields import (  # noqa: F401 (ConfigError, RopeScaling, YarnScaling, read_rope: re-exported)
     ARCHITECTURES,
+    FAMILY_LAYER_TYPES,
     HYBRID_MODEL_TYPES,
-    LAYER_TYPES,
     MULTIMODAL_WRAPPERS,
     REFUSED,
     SUPPORTED_MODEL_TYPES,
     ConfigError,
     RopeScaling,
+    YarnScaling,
     default_feature_layers,
     experts_from_hf,
+    gpt_oss_from_hf,
     hybrid_from_hf,
     read_json_file,
     read_rope,
 )
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +50,7 @@ class TargetConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
@@ -67,6 +73,12 @@ class TargetConfig:
     linear_value_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
+    # gpt-oss (docs/design.md §2.3): the window of its `sliding_attention` layers (a query at
+    # q sees keys p with q − window < p <= q), q/k/v/o biases, the experts' clamped SwiGLU.
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -100,20 +112,39 @@ class TargetConfig:
         self._check_layer_types()
 
     def _check_layer_types(self):
-        if not self.is_hybrid:
+        gpt_oss = self.model_type == "gpt_oss"
+        if not (self.is_hybrid or gpt_oss):
             if self.layer_types or self.partial_rotary_factor != 1.0:
                 raise ConfigError(
                     f"layer_types and partial_rotary_factor need a hybrid model_type "
-                    f"{HYBRID_MODEL_TYPES}, not {self.model_type!r}"
+                    f"{HYBRID_MODEL_TYPES} (or gpt_oss), not {self.model_type!r}"
                 )
+        if not gpt_oss:
+            for name in ("sliding_window", "attention_bias"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} needs model_type 'gpt_oss', not {self.model_type!r}")
+        if not (self.is_hybrid or gpt_oss):
             return
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
-            raise ConfigError(f"unknown layer_types {unknown}; supported: {list(LAYER_TYPES)}")
+        allowed = FAMILY_LAYER_TYPES[self.model_type]
+        if unknown := sorted(set(self.layer_types) - set(allowed)):
+            raise ConfigError(
+                f"unknown layer_types {unknown} for {self.model_type}; supported: {list(allowed)}"
+            )
+        if gpt_oss:
+            if self.partial_rotary_factor != 1.0:
+                raise ConfigError("gpt_oss rotates whole heads: partial_rotary_factor must be 1")
+            sliding = "sliding_attention" in self.layer_types
+            if sliding and (self.sliding_window is None or self.sliding_window < 1):
+                raise ConfigError(
+                    f"sliding_attention layers need a positive sliding_window, got "
+                    f"{self.sliding_window}"
+                )
+            return
         for name in (
             "linear_conv_kernel_dim",
             "linear_key_head_dim",
@@ -138,7 +169,9 @@ class TargetConfig:
                 )
         elif self.shared_expert_intermediate_size:
             raise ConfigError("shared_expert_intermediate_size needs model_type 'qwen3_5_moe_text'")
-        if self.model_type not in ("qwen3_moe", "qwen3_5_moe_text"):
+        if self.model_type == "gpt_oss" and self.num_experts <= 0:
+            raise ConfigError("a gpt_oss config needs num_experts > 0")
+        if self.model_type not in MOE_MODEL_TYPES:
             if self.num_experts:
                 raise ConfigError(
                     f"num_experts needs model_type 'qwen3_moe', not {self.model_type!r}"
@@ -173,8 +206,19 @@ class TargetConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 and Qwen3.5 normalise each query/key head before RoPE; Llama does not."""
-        return self.model_type != "llama"
+        """Qwen3 and Qwen3.5 normalise each query/key head before RoPE; Llama, gpt-oss do not."""
+        return self.model_type not in ("llama", "gpt_oss")
+
+    @property
+    def attention_sinks(self) -> bool:
+        """gpt-oss: a learned logit per query head joins every softmax's denominator."""
+        return self.model_type == "gpt_oss"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def is_hybrid(self) -> bool:
@@ -225,8 +269,12 @@ class TargetConfig:
                 f"supported: {SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL_WRAPPERS)}"
             )
         for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
+            if cfg.get(flag) and not (model_type == "gpt_oss" and flag == "attention_bias"):
                 raise ConfigError(f"config.json sets {flag}=true, which is not supported")
+        if model_type != "gpt_oss" and cfg.get("quantization_config") is not None:
+            raise ConfigError(
+                f"config.json has a quantization_config, which {model_type} does not support"
+            )
         if model_type == "qwen3_5_moe_text":  # every layer is MoE: no dense MLP width
             cfg = {"intermediate_size": cfg.get("moe_intermediate_size"), **cfg}
         missing = [
@@ -246,7 +294,7 @@ class TargetConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         if cfg.get("use_sliding_window"):
             raise ConfigError("config.json sets use_sliding_window=true, which is not supported")
-        default_theta = 10_000.0 if model_type == "llama" else 1_000_000.0
+        default_theta = {"llama": 10_000.0, "gpt_oss": 150_000.0}.get(model_type, 1_000_000.0)
         rope_theta, rope_scaling = read_rope(
             cfg, default_theta, allow_mrope=model_type in HYBRID_MODEL_TYPES
         )
@@ -262,7 +310,7 @@ class TargetConfig:
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5 if model_type == "gpt_oss" else 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen3")),
@@ -271,6 +319,7 @@ class TargetConfig:
             eos_token_id=eos,
             **(experts_from_hf(cfg) if model_type in ("qwen3_moe", "qwen3_5_moe_text") else {}),
             **(hybrid_from_hf(cfg) if model_type in HYBRID_MODEL_TYPES else {}),
+            **(gpt_oss_from_hf(cfg) if model_type == "gpt_oss" else {}),
         )
 
     @classmethod
@@ -334,6 +383,22 @@ class TargetConfig:
                 norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
+            )
+        if self.model_type == "gpt_oss":
+            rope = (
+                {"rope_type": "default"} if self.rope_scaling is None else self.rope_scaling.to_hf()
+            )
+            del out["rope_scaling"], out["rope_theta"]
+            out.update(
+                rope_parameters={**rope, "rope_theta": self.rope_theta},
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                intermediate_size=self.moe_intermediate_size,
+                layer_types=list(self.layer_types),
+                sliding_window=self.sliding_window,
+                attention_bias=self.attention_bias,
+                swiglu_alpha=self.swiglu_alpha,
+                swiglu_limit=self.swiglu_limit,
             )
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id

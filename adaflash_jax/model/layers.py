@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from adaflash_jax.model.rope import apply_rope, inverse_frequencies
+from adaflash_jax.model.rope import apply_rope, attention_factor, inverse_frequencies
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) query row stays NaN-free
 
@@ -89,8 +89,24 @@ class SwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def attend(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, mask_BxTxS):
-    """Grouped-query softmax attention; scores and softmax in float32."""
+def in_window(key_pos, query_pos_BxT, window: int | None):
+    """bool [B, T, S]: the query at `query_pos` is within `window` of the key at `key_pos`
+    ([B, S] or [S]): key_pos > query_pos − window (HF's sliding-window rule; the causal side
+    is the caller's). None: every key."""
+    key_pos_BxS = jnp.broadcast_to(key_pos, (query_pos_BxT.shape[0], key_pos.shape[-1]))
+    if window is None:
+        return jnp.ones((*query_pos_BxT.shape, key_pos_BxS.shape[1]), bool)
+    return key_pos_BxS[:, None, :] > query_pos_BxT[:, :, None] - window
+
+
+def _sink_logits(sinks_H, kv_heads: int):
+    """A sink logit per query head as [1, Kv, G, 1, 1] float32 (the scores' layout)."""
+    return sinks_H.astype(jnp.float32).reshape(1, kv_heads, -1, 1, 1)
+
+
+def attend(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, mask_BxTxS, sinks_H=None):
+    """Grouped-query softmax attention; scores and softmax in float32. `sinks_H` (gpt-oss): a
+    learned logit per query head joins each softmax's denominator and attends to nothing."""
     b, t, h, dh = q_BxTxHxDh.shape
     kv_heads = k_BxSxKvxDh.shape[2]
     q_BxTxKvxGxDh = q_BxTxHxDh.reshape(b, t, kv_heads, h // kv_heads, dh)
@@ -98,18 +114,36 @@ def attend(q_BxTxHxDh, k_BxSxKvxDh, v_BxSxKvxDh, mask_BxTxS):
         "btkgd,bskd->bkgts", q_BxTxKvxGxDh, k_BxSxKvxDh, preferred_element_type=jnp.float32
     ) * (dh**-0.5)
     scores_BxKvxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKvxGxTxS, NEG_INF)
-    probs = jax.nn.softmax(scores_BxKvxGxTxS, axis=-1).astype(v_BxSxKvxDh.dtype)
-    out_BxTxKvxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKvxDh)
+    if sinks_H is None:
+        probs = jax.nn.softmax(scores_BxKvxGxTxS, axis=-1)
+    else:
+        sink = _sink_logits(sinks_H, kv_heads)
+        top = jnp.maximum(scores_BxKvxGxTxS.max(axis=-1, keepdims=True), sink)
+        p = jnp.exp(scores_BxKvxGxTxS - top)
+        probs = p / (p.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
+    out_BxTxKvxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BxSxKvxDh.dtype), v_BxSxKvxDh)
     return out_BxTxKvxGxDh.reshape(b, t, h, dh)
 
 
 def attend_cached(
-    q_BxTxHxDh, cache_k_BxSxKvxDh, cache_v, lengths_B, new_k_BxTxKvxDh, new_v, visible_BxTxT=None
+    q_BxTxHxDh,
+    cache_k_BxSxKvxDh,
+    cache_v,
+    lengths_B,
+    new_k_BxTxKvxDh,
+    new_v,
+    visible_BxTxT=None,
+    *,
+    sinks_H=None,
+    window: int | None = None,
+    positions_BxT=None,
 ):
     """Attention of T new tokens over [a cache's committed entries ; themselves (causal, or
     where `visible_BxTxT` says: a tree's ancestors)] WITHOUT writing them into the cache: a
     two-part softmax (no concatenation, which would copy the cache), float32 scores,
-    probabilities normalised before the value product."""
+    probabilities normalised before the value product. `sinks_H`: a logit per query head in
+    every denominator (gpt-oss). `window`: a sliding-window layer over a full cache (entry s
+    at position s): the new tokens at `positions_BxT` see only keys within the window."""
     b, t, h, dh = q_BxTxHxDh.shape
     kv = cache_k_BxSxKvxDh.shape[2]
     q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
@@ -119,14 +153,23 @@ def attend_cached(
     s_cache = jnp.einsum("btkgd,bskd->bkgts", q, cache_k, preferred_element_type=f32) * scale
     s_new = jnp.einsum("btkgd,bukd->bkgtu", q, new_k_BxTxKvxDh, preferred_element_type=f32)
     s_new = s_new * scale
-    visible_BxS = jnp.arange(cache_k.shape[1])[None, :] < lengths_B[:, None]
+    key_pos_S = jnp.arange(cache_k.shape[1], dtype=jnp.int32)
+    visible_BxTxS = (key_pos_S[None, :] < lengths_B[:, None])[:, None, :]
     if visible_BxTxT is None:
         visible_BxTxT = jnp.tril(jnp.ones((t, t), bool))[None]
-    s_cache = jnp.where(visible_BxS[:, None, None, None, :], s_cache, NEG_INF)
+    if window is not None:
+        visible_BxTxS = visible_BxTxS & in_window(key_pos_S, positions_BxT, window)
+        visible_BxTxT = visible_BxTxT & in_window(positions_BxT, positions_BxT, window)
+    s_cache = jnp.where(visible_BxTxS[:, None, None], s_cache, NEG_INF)
     s_new = jnp.where(visible_BxTxT[:, None, None], s_new, NEG_INF)
     top = jnp.maximum(s_cache.max(axis=-1), s_new.max(axis=-1))[..., None]
+    if sinks_H is not None:
+        sink = _sink_logits(sinks_H, kv)
+        top = jnp.maximum(top, sink)
     p_cache, p_new = jnp.exp(s_cache - top), jnp.exp(s_new - top)
     denom = p_cache.sum(axis=-1, keepdims=True) + p_new.sum(axis=-1, keepdims=True)
+    if sinks_H is not None:
+        denom = denom + jnp.exp(sink - top)
     p_cache = (p_cache / denom).astype(cache_v.dtype)
     p_new = (p_new / denom).astype(new_v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cache_v)
@@ -158,8 +201,9 @@ class AttentionProjections(nnx.Module):
         param_dtype,
         output_gate: bool = False,
         zero_centered_norms: bool = False,
+        bias: bool = False,
     ):
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, use_bias=bias)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
         q_width = num_heads * head_dim * (2 if output_gate else 1)
@@ -187,7 +231,7 @@ class AttentionProjections(nnx.Module):
         )
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, positions_BxT, inverse_frequencies(*self.rope)), gate
+        return self._rotate(q, positions_BxT), gate
 
     def keys_values(self, x_BxTxD, positions_BxT):
         """Normed, rotated keys and values of any token stream."""
@@ -196,7 +240,12 @@ class AttentionProjections(nnx.Module):
         v = self.v_proj(x_BxTxD).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rope(k, positions_BxT, inverse_frequencies(*self.rope)), v
+        return self._rotate(k, positions_BxT), v
+
+    def _rotate(self, x_BxTxHxDh, positions_BxT):
+        scaling = self.rope[2]
+        freqs = inverse_frequencies(*self.rope)
+        return apply_rope(x_BxTxHxDh, positions_BxT, freqs, attention_factor(scaling))
 
     def output(self, attended_BxTxHxDh, gate_BxTxHxDh=None):
         b, t = attended_BxTxHxDh.shape[:2]

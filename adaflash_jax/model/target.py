@@ -1,5 +1,5 @@
-"""The frozen target LLM: a Llama / Qwen3 / Qwen3-MoE / Qwen3.5 decoder in Flax NNX
-(docs/design.md §2, §2.1).
+"""The frozen target LLM: a Llama / Qwen3 / Qwen3-MoE / Qwen3.5 / gpt-oss decoder in Flax NNX
+(docs/design.md §2, §2.1, §2.3).
 
 Dimensions: B batch, T new tokens per row, S cache capacity, D model, V vocab,
 H query heads, Kv kv heads, Dh head dim, L layers, n feature layers.
@@ -20,6 +20,9 @@ A Qwen3-MoE layer differs only in its MLP (`model/moe.py`), chosen per layer by 
 A hybrid (Qwen3.5) layer's mixer is a Gated DeltaNet (`model/gated_deltanet.py`) or gated
 attention, per `layer_types`; both take the same call, and a DeltaNet's cache is its
 `RecurrentState` (its entries: the recurrence's per-token inputs).
+A gpt-oss layer's attention adds q/k/v/o biases and a sink logit per head (in every path:
+`attend`, `attend_cached`, the kernel), and its sliding layers see only their window (a full
+`KVLayer` cache under the window mask); its MLP is the `MoEVariant` of biased experts.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from adaflash_jax.model.layers import (
     SwiGLU,
     attend,
     attend_cached,
+    in_window,
     normal_init,
 )
-from adaflash_jax.model.moe import MoEBlock
+from adaflash_jax.model.moe import MoEBlock, MoEVariant
 from adaflash_jax.model.packing import Packing, to_rows, to_tokens
 from adaflash_jax.model.ragged_attention import ragged_attend_cached
 from adaflash_jax.sharding.rows import RowLayout, constrain_rows
@@ -65,7 +69,9 @@ class TargetOutput:
 
 
 class Attention(AttentionProjections):
-    def __init__(self, cfg: TargetConfig, *, rngs, dtype, param_dtype, verify_attention="xla"):
+    def __init__(
+        self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype, verify_attention="xla"
+    ):
         super().__init__(
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -79,8 +85,18 @@ class Attention(AttentionProjections):
             param_dtype=param_dtype,
             output_gate=cfg.is_hybrid,
             zero_centered_norms=cfg.is_hybrid,
+            bias=cfg.attention_bias,
         )
         self.verify_attention = verify_attention  # static: VERIFY_ATTENTION
+        self.window = cfg.layer_window(layer)  # static: None = full attention
+        self.sinks = (
+            nnx.Param(
+                normal_init(rngs, (cfg.num_attention_heads,), param_dtype),
+                logical_axes=("q_heads",),
+            )
+            if cfg.attention_sinks
+            else None
+        )
 
     def __call__(
         self,
@@ -103,24 +119,44 @@ class Attention(AttentionProjections):
         return [B, W, ...]."""
         q, gate = self.gated_queries(x_BxTxD, positions_BxT)
         k, v = self.keys_values(x_BxTxD, positions_BxT)
-        q, k, v = (to_rows(packing, a) for a in (q, k, v))
+        q, k, v, positions_BxT = (to_rows(packing, a) for a in (q, k, v, positions_BxT))
+        sinks_H = None if self.sinks is None else self.sinks[...]
         if cache is None:
-            return self.output(attend(q, k, v, mask_BxTxS), gate), None
+            if self.window is not None:  # training: keys at the queries' own positions
+                mask_BxTxS = mask_BxTxS & in_window(positions_BxT, positions_BxT, self.window)
+            return self.output(attend(q, k, v, mask_BxTxS, sinks_H), gate), None
         entries = KVEntries(k.astype(cache.k_BxSxKvxDh.dtype), v.astype(cache.v_BxSxKvxDh.dtype))
         if commit_B is not None:
             cache = cache.commit(entries, lengths_B, None, commit_B)
             key_pos_S = jnp.arange(cache.capacity, dtype=jnp.int32)
             mask_BxTxS = key_pos_S[None, None, :] <= positions_BxT[:, :, None]
+            mask_BxTxS = mask_BxTxS & in_window(key_pos_S, positions_BxT, self.window)
             k_all, v_all = (c.astype(q.dtype) for c in (cache.k_BxSxKvxDh, cache.v_BxSxKvxDh))
-            return self.output(attend(q, k_all, v_all, mask_BxTxS), gate), cache
+            return self.output(attend(q, k_all, v_all, mask_BxTxS, sinks_H), gate), cache
         k, v = (e.astype(q.dtype) for e in (entries.k_BxTxKvxDh, entries.v_BxTxKvxDh))
         visible = None if packing is None else packing.visible_BxWxW  # a tree's ancestors
         args = (q, cache.k_BxSxKvxDh, cache.v_BxSxKvxDh, lengths_B, k, v, visible)
+        kw = dict(sinks_H=sinks_H, window=self.window, positions_BxT=positions_BxT)
         if self.verify_attention == "xla":
-            out = attend_cached(*args)
+            out = attend_cached(*args, **kw)
         else:  # the kernel reads each row's committed cache only
-            out = ragged_attend_cached(*args, interpret=self.verify_attention == "interpret")
+            out = ragged_attend_cached(*args, **kw, interpret=self.verify_attention == "interpret")
         return self.output(to_tokens(packing, out), gate), entries
+
+
+def moe_variant(cfg: TargetConfig) -> MoEVariant:
+    """The family's sparse block (`model/moe.py`): gpt-oss's biased router and experts, the
+    clamped SwiGLU and the softmax over the chosen k; Qwen3-MoE's otherwise."""
+    if cfg.model_type != "gpt_oss":
+        return MoEVariant()
+    return MoEVariant(
+        router_bias=True,
+        expert_bias=True,
+        activation="clamped_swiglu",
+        alpha=cfg.swiglu_alpha,
+        limit=cfg.swiglu_limit,
+        softmax_after_topk=True,
+    )
 
 
 class DecoderLayer(nnx.Module):
@@ -128,12 +164,15 @@ class DecoderLayer(nnx.Module):
         self, cfg: TargetConfig, layer: int, *, rngs, dtype, param_dtype, chunk, verify_attention
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.family = cfg.model_type  # static: the checkpoint's tensor names follow it
         norm_kw = dict(
             eps=cfg.rms_norm_eps, zero_centered=cfg.is_hybrid, dtype=dtype, param_dtype=param_dtype
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
         linear = cfg.is_linear_layer(layer)
-        self.self_attn = None if linear else Attention(cfg, verify_attention=verify_attention, **kw)
+        self.self_attn = (
+            None if linear else Attention(cfg, layer, verify_attention=verify_attention, **kw)
+        )
         self.linear_attn = GatedDeltaNet(cfg, chunk=chunk, **kw) if linear else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm_kw)
         if cfg.is_moe_layer(layer):
@@ -144,6 +183,7 @@ class DecoderLayer(nnx.Module):
                 cfg.num_experts_per_tok,
                 norm_topk_prob=cfg.norm_topk_prob,
                 shared_hidden=cfg.shared_expert_intermediate_size,
+                variant=moe_variant(cfg),
                 **kw,
             )
         else:
