@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +35,8 @@ from adaflash_jax.model.checkpoint import load_target, save_target  # noqa: E402
 from adaflash_jax.model.config import ConfigError, TargetConfig, YarnScaling  # noqa: E402
 from adaflash_jax.model.mxfp4 import dequantize  # noqa: E402
 from adaflash_jax.model.rope import attention_factor, inverse_frequencies  # noqa: E402
+from adaflash_jax.sharding.rules import DECODE_RULES  # noqa: E402
+from experiments import generate as generate_cli  # noqa: E402
 
 V, D, F, E, WINDOW = 101, 96, 32, 5, 4  # MXFP4 groups 32 inputs: D and F are multiples
 HF_CONFIG = dict(
@@ -147,6 +150,18 @@ def test_what_gpt_oss_cannot_honour_is_refused(hf_dirs, change, message):
         TargetConfig.from_hf_dict(cfg)
 
 
+def test_generate_refuses_an_unsupported_quantization_in_one_line(hf_dirs, tmp_path, capsys):
+    """Through the CLI: a gpt-oss checkpoint in another quantization ends generate with one
+    line naming it (exit 2, no traceback)."""
+    with open(f"{hf_dirs[1]}/config.json") as f:
+        cfg = {**json.load(f), "quantization_config": {"quant_method": "bitsandbytes"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        generate_cli.main(["--target", str(tmp_path), "--prompt-ids", "1,2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "'bitsandbytes' is not supported" in err
+
+
 def test_other_families_still_refuse_biases_and_quantization():
     base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8)
     base.update(num_hidden_layers=1, num_attention_heads=2)
@@ -207,6 +222,19 @@ def test_logits_and_features_match_transformers(hf_dirs, tokens, stored):
     for j, layer in enumerate((0, 1, 3)):  # HF hidden_states[i + 1]; L−1 after the final norm
         want = hf_hidden[layer + 1]
         np.testing.assert_allclose(feats[..., j, :], want, atol=1e-4 * np.abs(want).max())
+
+
+def test_sharded_mxfp4_loading_gives_the_same_logits(hf_dirs, tokens):
+    """Each device dequantizes only its slice: experts' F over the tensor axis (the gate and
+    up halves of the interleaved columns, the down projection's MXFP4 input groups)."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = load_target(hf_dirs[2], mesh=mesh, rules=DECODE_RULES)
+    mlp = model.layers[0].mlp
+    assert {s.data.shape for s in mlp.up_proj[...].addressable_shards} == {(E, D, F // 4)}
+    assert {s.data.shape for s in mlp.down_proj[...].addressable_shards} == {(E, F // 4, D)}
+    want, _ = _hf_forward(hf_dirs[0], tokens)
+    logits = jax.jit(lambda m, t: m(t).logits_BxTxV)(model, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4, rtol=0)
 
 
 def test_the_clamp_the_window_and_the_sinks_bite(hf_dirs, tokens):
@@ -273,7 +301,7 @@ def _drafter(target):
 
 @pytest.mark.parametrize(
     "engine",
-    [dict(buckets=(1, 2, 4)), dict(tree=TreeShape(topk=2, nodes=6))],
+    [dict(buckets=(2, 4)), dict(tree=TreeShape(topk=2, nodes=6))],
     ids=["chain", "tree"],
 )
 def test_speculative_greedy_is_lossless(target, hf_greedy, engine):
