@@ -3,11 +3,15 @@ from `tokenizer_config.json` / `generation_config.json`, chat templates through 
 
 The chat template is rendered the way `transformers` does it: a sandboxed jinja2
 environment with `trim_blocks`/`lstrip_blocks`, a `raise_exception` helper, a `tojson`
-filter and the `bos_token` / `eos_token` variables.
+filter, a `strftime_now` helper (today's date, which gpt-oss's harmony template writes into
+its system message, as Llama 3.1's does) and the `bos_token` / `eos_token` variables. Any
+other keyword goes to the template: gpt-oss's reads `reasoning_effort` ("low", "medium", the
+default, or "high"), Qwen3's `enable_thinking`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +51,10 @@ def _raise_exception(message: str):
 
 def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
 
 
 class Tokenizer:
@@ -127,18 +135,22 @@ class Tokenizer:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         try:
             template = env.from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"chat template of {self.path} does not parse: {e}") from None
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
-            **kwargs,
-        )
+        try:
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:  # e.g. a helper or variable the template needs
+            raise TokenizerError(f"chat template of {self.path} failed to render: {e}") from None
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Template then encode; the template already holds any BOS, so none is added."""

@@ -36,6 +36,7 @@ from adaflash_jax.model.config import ConfigError, TargetConfig, YarnScaling  # 
 from adaflash_jax.model.mxfp4 import dequantize  # noqa: E402
 from adaflash_jax.model.rope import attention_factor, inverse_frequencies  # noqa: E402
 from adaflash_jax.sharding.rules import DECODE_RULES  # noqa: E402
+from adaflash_jax.tokenizer import Tokenizer, TokenizerError, write_byte_tokenizer  # noqa: E402
 from experiments import generate as generate_cli  # noqa: E402
 
 V, D, F, E, WINDOW = 101, 96, 32, 5, 4  # MXFP4 groups 32 inputs: D and F are multiples
@@ -319,3 +320,39 @@ def test_the_verify_kernel_decodes_transformers_greedy(hf_dirs, hf_greedy):
     target = load_target(hf_dirs[1], verify_attention="interpret")
     spec = SpeculativeEngine(target, _drafter(target), slots=2, capacity=64, buckets=(4,))
     assert [r.output_ids for r in spec.generate([(p, 32) for p in prompts])] == expected
+
+
+# The harmony format's shape (OpenAI's harmony guide): a system message with the date and the
+# reasoning effort, the user turns, the assistant's generation prompt; <|return|> ends a reply
+HARMONY_SPECIALS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>")
+HARMONY_TEMPLATE = (
+    "{% if reasoning_effort is not defined %}{% set reasoning_effort = 'medium' %}{% endif %}"
+    "<|start|>system<|message|>Current date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort }}<|end|>"
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_harmony_prompts_take_the_reasoning_effort_and_the_date(tmp_path):
+    """The tokenizer renders a harmony template as transformers does: `strftime_now` for its
+    date, `reasoning_effort` passed through to it, its markers one token each; a template
+    that needs a helper we lack fails in one line."""
+    write_byte_tokenizer(tmp_path, special_tokens=HARMONY_SPECIALS, eos_token="<|return|>",
+                         chat_template=HARMONY_TEMPLATE)  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [260, 261]}))
+    tok = Tokenizer(tmp_path)
+    user = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(user, reasoning_effort="high")
+    assert "Reasoning: high<|end|>" in text and text.endswith(
+        "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    )
+    assert "Reasoning: medium" in tok.apply_chat_template(user)
+    assert "Current date: 20" in text
+    ids = tok.encode_chat(user, reasoning_effort="low")
+    start = tok.token_to_id("<|start|>")
+    assert ids[0] == start and ids.count(start) == 3  # system, user, the assistant's prompt
+    assert tok.eos_token_ids == (260, 261) and tok.token_to_id("<|return|>") == 260
+    tok.chat_template = "{{ today() }}"
+    with pytest.raises(TokenizerError, match="failed to render.*today"):
+        tok.apply_chat_template(user)
