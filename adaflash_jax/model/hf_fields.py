@@ -22,8 +22,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
-# the layer kinds each family may list in `layer_types`
+# the layer kinds (`layer_types`) each family may list
 FAMILY_LAYER_TYPES = {
     "qwen3_5_text": ("full_attention", "linear_attention"),
     "qwen3_5_moe_text": ("full_attention", "linear_attention"),
